@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The CUDA job: build the CUDA extension, run the GPU tests, run the benchmarks.
+# Works the same on a CUDA CI runner and by hand (and through the device tool).
+#   ci/cuda.sh [all|build|test|bench] [extra pytest args...]
+# Results: benchmarks/results/*.json|png, logs under ${OUT:-build/ci-cuda}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+step=${1:-all}; shift || true
+log_dir=${OUT:-build/ci-cuda}; mkdir -p "$log_dir"
+export PYTHONUNBUFFERED=1
+
+# Wheels the machine lacks (cudnn-frontend headers, flash-attn3-jax) may travel in .whl/.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/fusedattn-site .whl/*.whl
+  export PYTHONPATH=/tmp/fusedattn-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+if [[ $step == all || $step == build ]]; then
+  # --no-build-isolation: the build reads XLA's FFI headers from the installed jax.
+  FUSEDATTN_GPU=cuda python3 -m pip install --no-build-isolation --no-deps --no-cache-dir \
+    --target /tmp/fusedattn-pkg -v . 2>&1 | tee "$log_dir/build.log" | grep -E "fusedattn|error|warning: .*fusedattn" || true
+  test -n "$(ls /tmp/fusedattn-pkg/fusedattn/_cuda*.so 2>/dev/null)" || { echo "CUDA extension not built"; tail -50 "$log_dir/build.log"; exit 1; }
+fi
+export PYTHONPATH=/tmp/fusedattn-pkg:${PYTHONPATH:-}
+python3 -m fusedattn info | tee "$log_dir/info.txt"
+
+if [[ $step == all || $step == test ]]; then
+  python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider "$@" 2>&1 | tee "$log_dir/gpu-tests.log"
+fi
+if [[ $step == all || $step == bench ]]; then
+  for b in benchmarks/bench_*.py; do
+    [[ $b == *cpu* ]] && continue
+    python3 "$b" 2>&1 | tee "$log_dir/$(basename "$b" .py).log"
+  done
+  cp benchmarks/results/* "$log_dir/" 2>/dev/null || true
+fi

@@ -1,0 +1,1 @@
+"""Backends, one module each; `fusedattn.dispatch` lists them in preference order."""

@@ -1,0 +1,72 @@
+"""What every backend provides, and the arrays a call carries.
+
+A backend is a module `fusedattn.backends.<name>` exposing `BACKEND`, an object
+with:
+
+* ``name``: the string users pass as ``backend=``.
+* ``platforms``: the JAX platforms it can run on (``"cpu"``, ``"cuda"``, ``"rocm"``).
+* ``supports(config) -> None | str``: None when it can run this config, else
+  the reason it cannot (shown by ``explain()`` and in errors). Must not run
+  kernels on the device data; may build and cache native plans.
+* ``attention(config, inputs) -> out``: the output ``[b, s_q, h_q, d_v]`` in the
+  config's layout (``[s_q, b, h_q, d_v]`` for sbhd) and q's dtype,
+  differentiable (through a custom_vjp) with respect to q, k, v, bias and
+  softmax_offset.
+
+Backends read only the `AttnConfig` and `AttnInputs`; never user arguments.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Protocol, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from ..config import AttnConfig
+from ..sequence import SequenceDescriptor
+
+
+class AttnInputs(NamedTuple):
+    """Arrays of one call, as the user laid them out (layout / packing in the config).
+
+    With ``qkv_packing == "qkv"``, ``q`` is the packed ``[.., 3, h, d]`` tensor and
+    ``k``/``v`` are None; with ``"kv"``, ``k`` is the packed ``[.., 2, h, d]`` tensor
+    and ``v`` is None. `unpack_qkv` gives separate tensors.
+    """
+    q: jax.Array
+    k: Optional[jax.Array]
+    v: Optional[jax.Array]
+    bias: Optional[jax.Array] = None
+    softmax_offset: Optional[jax.Array] = None  # [h_q] float32
+    sequence: Optional[SequenceDescriptor] = None
+    rng: Optional[jax.Array] = None  # a JAX PRNG key, when dropout > 0
+    score_mod_args: Tuple[jax.Array, ...] = ()
+
+
+def unpack_qkv(config: AttnConfig, inputs: AttnInputs):
+    """Separate (q, k, v) in the config's layout, slicing packed inputs."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if config.qkv_packing == "qkv":
+        q, k, v = (jnp.take(inputs.q, i, axis=-3) for i in range(3))
+    elif config.qkv_packing == "kv":
+        k, v = (jnp.take(inputs.k, i, axis=-3) for i in range(2))
+    return q, k, v
+
+
+def to_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
+    """A [.., h, d] tensor in the config's layout -> bshd."""
+    return jnp.swapaxes(x, 0, 1) if config.layout == "sbhd" else x
+
+
+def from_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
+    """A bshd tensor -> the config's layout."""
+    return jnp.swapaxes(x, 0, 1) if config.layout == "sbhd" else x
+
+
+class Backend(Protocol):
+    name: str
+    platforms: Tuple[str, ...]
+
+    def supports(self, config: AttnConfig) -> Optional[str]: ...
+
+    def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array: ...

@@ -1,0 +1,135 @@
+"""Choosing a backend: platform + AttnConfig -> the backend that runs, and why not the others.
+
+Backends are modules under `fusedattn.backends`, each exposing `BACKEND` (see
+`backends/base.py`). Adding one is adding its module and its name to
+`PREFERENCE` below. A module that fails to import is reported as a reason, not
+raised, so a broken optional backend never hides the XLA fallback.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import jax
+
+from .config import AttnConfig
+
+log = logging.getLogger("fusedattn")
+
+# Preference order per platform: the first backend that supports a config runs it.
+PREFERENCE: Dict[str, Tuple[str, ...]] = {
+    "cuda": ("small_seq", "cudnn", "xla"),
+    "rocm": ("small_seq", "ck", "xla"),
+    "cpu": ("xla",),
+}
+ALL_BACKENDS: Tuple[str, ...] = ("small_seq", "cudnn", "ck", "xla")
+
+ENV_BACKEND = "FUSEDATTN_BACKEND"
+ENV_PLATFORM = "FUSEDATTN_PLATFORM"  # for tests: pretend to be cpu / cuda / rocm
+
+
+class UnsupportedError(ValueError):
+    """The requested backend cannot serve this config; the message lists every reason."""
+
+
+def current_platform() -> str:
+    """'cpu', 'cuda' or 'rocm', from JAX's default backend (overridable for tests)."""
+    forced = os.environ.get(ENV_PLATFORM)
+    if forced:
+        return forced
+    platform = jax.default_backend()
+    if platform == "gpu":  # older jaxlib spells both vendors "gpu"
+        version = jax.devices()[0].client.platform_version.lower()
+        platform = "rocm" if "rocm" in version or "hip" in version else "cuda"
+    return platform
+
+
+def load_backend(name: str):
+    """The BACKEND object of `fusedattn.backends.<name>` (raises ImportError)."""
+    return importlib.import_module(f"fusedattn.backends.{name}").BACKEND
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What dispatch decided: the chosen backend and, for every backend, why (not)."""
+    config: AttnConfig
+    platform: str
+    requested: str
+    chosen: Optional[str]
+    reasons: Tuple[Tuple[str, Optional[str]], ...]  # (backend, None if usable else reason)
+
+    @property
+    def backend(self):
+        if self.chosen is None:
+            raise UnsupportedError(self.error_message())
+        return load_backend(self.chosen)
+
+    def error_message(self) -> str:
+        return (f"backend {self.requested!r} cannot run this attention "
+                f"({self.config.short()}) on platform {self.platform}:\n{self.table()}")
+
+    def table(self) -> str:
+        width = max(len(name) for name, _ in self.reasons)
+        rows = []
+        for name, reason in self.reasons:
+            mark = ">>" if name == self.chosen else "  "
+            status = "chosen" if name == self.chosen else ("usable" if reason is None else reason)
+            rows.append(f"{mark} {name:<{width}}  {status}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        head = f"fusedattn plan on {self.platform} for {self.config.short()}"
+        return head + "\n" + self.table()
+
+
+def _reason(name: str, config: AttnConfig, platform: str) -> Optional[str]:
+    try:
+        backend = load_backend(name)
+    except Exception as e:  # an optional backend that cannot even import
+        return f"unavailable: {type(e).__name__}: {e}"
+    if platform not in backend.platforms:
+        return f"runs on {'/'.join(backend.platforms)}, not {platform}"
+    try:
+        return backend.supports(config)
+    except Exception as e:  # a probe that crashed is a reason, never a crash
+        return f"support check failed: {type(e).__name__}: {e}"
+
+
+_logged: set = set()
+_log_lock = threading.Lock()
+
+
+def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = None) -> Plan:
+    """Ask every backend about `config`; pick the first usable one (or the forced one)."""
+    platform = platform or current_platform()
+    requested = backend
+    if requested == "auto":
+        requested = os.environ.get(ENV_BACKEND, "auto") or "auto"
+    if requested != "auto" and requested not in ALL_BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {ALL_BACKENDS}, got {requested!r}")
+    preferred = PREFERENCE.get(platform, ("xla",))
+    order: List[str] = list(preferred) + [n for n in ALL_BACKENDS if n not in preferred]
+    reasons = []
+    for name in order:
+        reason = _reason(name, config, platform) if name in preferred else \
+            f"not used on {platform}"
+        reasons.append((name, reason))
+    if requested == "auto":
+        chosen = next((n for n, r in reasons if r is None), None)
+    else:
+        reason = dict(reasons)[requested]
+        if requested not in preferred:  # forced onto a foreign platform: say why exactly
+            reason = _reason(requested, config, platform)
+            reasons = [(n, reason if n == requested else r) for n, r in reasons]
+        chosen = requested if reason is None else None
+    result = Plan(config, platform, requested, chosen, tuple(reasons))
+    key = (config, platform, requested)
+    with _log_lock:
+        if key not in _logged:
+            _logged.add(key)
+            log.info("fusedattn: %s -> %s", config.short(), chosen or "no backend")
+    return result
