@@ -99,8 +99,10 @@ def _reason(name: str, config: AttnConfig, platform: str) -> Optional[str]:
         return f"support check failed: {type(e).__name__}: {e}"
 
 
-_logged: set = set()
-_log_lock = threading.Lock()
+# Plans are cached per (config, platform, request): a re-trace of a known config
+# costs a dict lookup, and the decision is logged once.
+_plans: Dict[tuple, Plan] = {}
+_plans_lock = threading.Lock()
 
 
 def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = None) -> Plan:
@@ -111,25 +113,27 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
         requested = os.environ.get(ENV_BACKEND, "auto") or "auto"
     if requested != "auto" and requested not in ALL_BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {ALL_BACKENDS}, got {requested!r}")
+    key = (config, platform, requested)
+    with _plans_lock:
+        cached = _plans.get(key)
+    if cached is not None:
+        return cached
     preferred = PREFERENCE.get(platform, ("xla",))
     order: List[str] = list(preferred) + [n for n in ALL_BACKENDS if n not in preferred]
-    reasons = []
-    for name in order:
-        reason = _reason(name, config, platform) if name in preferred else \
-            f"not used on {platform}"
-        reasons.append((name, reason))
+    reasons = tuple((name, _reason(name, config, platform)) for name in order)
     if requested == "auto":
         chosen = next((n for n, r in reasons if r is None), None)
     else:
-        reason = dict(reasons)[requested]
-        if requested not in preferred:  # forced onto a foreign platform: say why exactly
-            reason = _reason(requested, config, platform)
-            reasons = [(n, reason if n == requested else r) for n, r in reasons]
-        chosen = requested if reason is None else None
-    result = Plan(config, platform, requested, chosen, tuple(reasons))
-    key = (config, platform, requested)
-    with _log_lock:
-        if key not in _logged:
-            _logged.add(key)
-            log.info("fusedattn: %s -> %s", config.short(), chosen or "no backend")
+        chosen = requested if dict(reasons)[requested] is None else None
+    result = Plan(config, platform, requested, chosen, reasons)
+    with _plans_lock:
+        if key not in _plans:
+            log.info("fusedattn: %s on %s -> %s", config.short(), platform, chosen or "no backend")
+        _plans[key] = result
     return result
+
+
+def clear_cache() -> None:
+    """Forget cached plans (tests that change the environment use this)."""
+    with _plans_lock:
+        _plans.clear()

@@ -1,0 +1,9 @@
+"""fusedattn: fused attention for JAX on NVIDIA and AMD GPUs, with a portable XLA backend."""
+from .api import explain, fused_attn
+from .config import AttnConfig
+from .dispatch import Plan, UnsupportedError
+from .sequence import SequenceDescriptor
+
+__all__ = ["fused_attn", "explain", "AttnConfig", "Plan", "SequenceDescriptor",
+           "UnsupportedError"]
+__version__ = "0.1.0"

@@ -1,0 +1,69 @@
+"""Public entry points: `fused_attn` and `explain`."""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import jax
+
+from . import dispatch
+from .sequence import SequenceDescriptor
+from .validation import build_call
+
+
+def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
+               bias: Optional[jax.Array] = None,
+               sequence: Optional[SequenceDescriptor] = None,
+               mask: str = "none",
+               window: Optional[Tuple[int, int]] = None,
+               scale: Optional[float] = None,
+               softmax: str = "vanilla",
+               softmax_offset: Optional[jax.Array] = None,
+               dropout: float = 0.0,
+               rng: Optional[jax.Array] = None,
+               score_mod: Optional[Callable] = None,
+               score_mod_args: Sequence[jax.Array] = (),
+               deterministic: bool = False,
+               layout: str = "bshd",
+               backend: str = "auto") -> jax.Array:
+    """Scaled dot-product attention on the best backend for this platform and config.
+
+    Args:
+      q, k, v: ``[b, s, h, d]`` (``layout="bshd"``) or ``[s, b, h, d]`` (``"sbhd"``).
+        With ``layout="bs3hd"``/``"sb3hd"`` q is packed ``[.., 3, h, d]`` and k, v are
+        None; with ``"bshd_bs2hd"``/``"sbhd_sb2hd"`` k is packed ``[.., 2, h, d]`` and
+        v is None. ``h_q % h_kv == 0`` (GQA / MQA); ``d_v`` may differ from ``d_qk``.
+      bias: additive, after scaling, broadcast from ``[1|b, 1|h_q, s_q, s_kv]``;
+        differentiable.
+      sequence: a `SequenceDescriptor` for padding or packing (THD); None = all
+        tokens valid.
+      mask: ``"none"``, ``"causal"`` (top-left) or ``"causal_bottom_right"``.
+      window: ``(left, right)`` sliding window around the (aligned) diagonal;
+        -1 = unbounded. Causal masks need ``right`` 0.
+      scale: logit scale, default ``1/sqrt(d_qk)``.
+      softmax: ``"vanilla"``, ``"off_by_one"`` (a zero sink logit) or
+        ``"learnable"`` (per-head sink logits ``softmax_offset [h_q]``, differentiable).
+      dropout, rng: dropout rate on the probabilities and its PRNG key.
+      score_mod, score_mod_args: ``f(score, batch, head, q_idx, kv_idx, *args)``
+        applied to the scaled (and biased) logits.
+      deterministic: ask for a bitwise-reproducible backward pass.
+      backend: ``"auto"`` or a backend name (``FUSEDATTN_BACKEND`` overrides auto).
+
+    Returns:
+      ``[b, s_q, h_q, d_v]`` (``[s_q, b, h_q, d_v]`` for sbhd layouts) in q's dtype.
+    """
+    config, inputs = build_call(
+        q, k, v, bias=bias, sequence=sequence, mask=mask, window=window, scale=scale,
+        softmax=softmax, softmax_offset=softmax_offset, dropout=dropout, rng=rng,
+        score_mod=score_mod, score_mod_args=score_mod_args, deterministic=deterministic,
+        layout=layout)
+    return dispatch.plan(config, backend).backend.attention(config, inputs)
+
+
+def explain(q, k, v, *, backend: str = "auto", **options) -> dispatch.Plan:
+    """The plan `fused_attn(q, k, v, **options)` would follow, without running it.
+
+    Arrays may be `jax.ShapeDtypeStruct`s. The plan names the chosen backend and,
+    for every other backend, why it was not chosen; ``print(plan)`` shows a table.
+    """
+    config, _ = build_call(q, k, v, **options)
+    return dispatch.plan(config, backend)
