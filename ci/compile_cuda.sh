@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Compile-check the CUDA extension (fusedattn._cuda) with this machine's nvcc; no GPU
+# needed. Headers and the library to link come from the wheels jaxlib loads on a
+# CUDA machine (nvidia-cudnn-cu13, nvidia-cudnn-frontend; nvrtc.h from
+# nvidia-cuda-nvrtc when the toolkit lacks it), installed under build/ when missing
+# (about 0.5 GB, once). Skips (exit 0) when there is no nvcc.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+command -v nvcc >/dev/null || { echo "compile_cuda: no nvcc on PATH, skipped"; exit 0; }
+py=$(command -v python3)
+deps=$PWD/build/cuda-deps
+have_deps() {
+  "$py" - <<'PY' 2>/dev/null
+import importlib.util as u, os
+import nvidia.cudnn as c
+assert os.path.exists(os.path.join(list(c.__path__)[0], "include", "cudnn.h"))
+spec = u.find_spec("cudnn")
+assert spec and os.path.exists(os.path.join(os.path.dirname(os.path.dirname(spec.origin)), "include", "cudnn_frontend.h"))
+PY
+}
+if ! have_deps; then
+  export PYTHONPATH=$deps${PYTHONPATH:+:$PYTHONPATH}
+  if ! have_deps; then
+    "$py" -m pip install -q --no-deps --upgrade --target "$deps" \
+      "nvidia-cudnn-cu13==9.19.*" "nvidia-cudnn-frontend==1.32.0" "nvidia-cuda-nvrtc"
+  fi
+fi
+build=build/compile-cuda
+cmake -S . -B "$build" -G Ninja -DFUSEDATTN_GPU=cuda -DPython_EXECUTABLE="$py" \
+  -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" >"$build.configure.log" 2>&1 \
+  || { cat "$build.configure.log"; exit 1; }
+grep "fusedattn:" "$build.configure.log" || true
+cmake --build "$build" -j "$(nproc)"
+ls -la "$build"/_cuda*.so
