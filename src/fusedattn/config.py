@@ -34,7 +34,9 @@ LAYOUTS = ("bshd", "sbhd")
 # How q, k, v arrive: separately, as one packed [.., 3, h, d] tensor, or q plus a
 # packed [.., 2, h, d] kv tensor. Packing is orthogonal to bshd / sbhd.
 QKV_PACKINGS = ("separate", "qkv", "kv")
-SEQUENCE_KINDS = ("dense", "padding", "packed")
+# "ragged": small-seq packed keys (k, v [total_kv_tokens, h, d] addressed by kv
+# offsets [b + 1], one query per sequence); only the small_seq backend reads it.
+SEQUENCE_KINDS = ("dense", "padding", "packed", "ragged")
 DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -60,7 +62,8 @@ class AttnConfig:
     softmax: str = "vanilla"
     dropout: float = 0.0
     # Sequence structure: dense (all tokens valid), padding (per-sequence
-    # lengths), packed (several segments per row, at most max_segments).
+    # lengths), packed (several segments per row, at most max_segments),
+    # ragged (small-seq packed keys; s_kv is then the bound on keys per sequence).
     sequence: str = "dense"
     max_segments: int = 1
     # score_mod is compared by identity; its extra arguments by shape/dtype.

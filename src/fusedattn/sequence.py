@@ -13,6 +13,9 @@ number of segments per row are static, so a descriptor passes through `jit`,
   cuDNN addresses with ragged offsets.
 
 Query segment ``n`` attends only to key segment ``n`` of the same row.
+
+A third kind, ``ragged``, serves `fused_attn_small_seq` only: keys packed as
+``[total_kv_tokens, h, d]`` with offsets ``[b + 1]`` (`from_kv_offsets`).
 """
 from __future__ import annotations
 
@@ -116,6 +119,18 @@ class SequenceDescriptor:
                    q_lengths=q_seqlens, kv_lengths=kv_seqlens, q_offsets=q_offsets,
                    kv_offsets=kv_offsets, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                    q_positions=q_pos, kv_positions=kv_pos)
+
+    @classmethod
+    def from_kv_offsets(cls, kv_offsets) -> "SequenceDescriptor":
+        """Small-seq packed keys: sequence ``b`` owns rows ``[kv_offsets[b], kv_offsets[b+1])``
+        of ``k, v [total_kv_tokens, h, d]``; one query per sequence (kind ``ragged``)."""
+        kv_offsets = jnp.asarray(kv_offsets)
+        if kv_offsets.ndim != 1 or kv_offsets.shape[0] < 2:
+            raise ValueError(f"kv_offsets must be [num_sequences + 1], got shape {kv_offsets.shape}")
+        if not jnp.issubdtype(kv_offsets.dtype, jnp.integer):
+            raise TypeError(f"kv_offsets must be an integer array, got {kv_offsets.dtype}")
+        kv_offsets = kv_offsets.astype(_INT)
+        return cls("ragged", kv_offsets=kv_offsets, kv_lengths=kv_offsets[1:] - kv_offsets[:-1])
 
     # ---- pytree ------------------------------------------------------------
     def tree_flatten(self):

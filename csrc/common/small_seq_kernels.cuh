@@ -1,0 +1,368 @@
+// Small-sequence attention kernels: one query token per sequence attending to
+// at most 16 keys. Memory bound, so every byte of q, k, v, o (and gradients) is
+// read or written once with 16-byte accesses; all arithmetic is fp32 in
+// registers. Portable: vendor differences live in vendor.h.
+//
+// Tensors (row-major, 16-bit elements):
+//   q, o, dq, do : [n, 1, h_q, d]      lse : [n, h_q, 1] fp32 (natural log)
+//   k, v, dk, dv : padded [n, s_kv, h_kv, d]  or packed [rows, h_kv, d]
+//   kv_index     : padded: kv lengths [n] (clamped to [0, s_kv])
+//                  packed: kv offsets [n + 1]; sequence b owns rows
+//                  [offsets[b], offsets[b+1]).
+// A "team" of kLanes lanes owns one d-long row; lane l holds elements
+// [(v * kLanes + l) * 8, +8) for v < kVecs, so each load instruction of a team
+// covers a contiguous run of the row.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "vendor.h"
+
+namespace fusedattn::small_seq {
+
+constexpr int kMaxKv = 16;
+constexpr int kThreads = 256;  // per block; a multiple of both warp widths
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct Bf16 {
+  static __device__ __forceinline__ float load(uint16_t b) { return vendor::bf16_bits_to_float(b); }
+  static __device__ __forceinline__ uint16_t store(float f) { return vendor::float_to_bf16_bits(f); }
+};
+struct Fp16 {
+  static __device__ __forceinline__ float load(uint16_t b) { return vendor::fp16_bits_to_float(b); }
+  static __device__ __forceinline__ uint16_t store(float f) { return vendor::float_to_fp16_bits(f); }
+};
+
+template <int D>
+struct Tiling {
+  static_assert(D % 64 == 0 && D <= 512, "head dim must be 64, 128, 256 or 512");
+  static constexpr int kLanes = D / 8 < 32 ? D / 8 : 32;  // divides 32 and 64
+  static constexpr int kVecs = D / 8 / kLanes;             // 16-byte vectors per lane
+  static constexpr int kElems = kVecs * 8;
+};
+
+// One lane's slice of a row, as raw 16-byte vectors.
+template <int V>
+struct Slice {
+  uint4 vec[V];
+};
+
+template <int D>
+__device__ __forceinline__ Slice<Tiling<D>::kVecs> load_slice(const uint16_t* row, int lane) {
+  Slice<Tiling<D>::kVecs> s;
+#pragma unroll
+  for (int v = 0; v < Tiling<D>::kVecs; ++v)
+    s.vec[v] = *reinterpret_cast<const uint4*>(row + (v * Tiling<D>::kLanes + lane) * 8);
+  return s;
+}
+
+template <class T, int V>
+__device__ __forceinline__ void unpack(const Slice<V>& s, float (&out)[V * 8]) {
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    const uint32_t w[4] = {s.vec[v].x, s.vec[v].y, s.vec[v].z, s.vec[v].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      out[v * 8 + 2 * e] = T::load(static_cast<uint16_t>(w[e] & 0xffffu));
+      out[v * 8 + 2 * e + 1] = T::load(static_cast<uint16_t>(w[e] >> 16));
+    }
+  }
+}
+
+template <class T, int D>
+__device__ __forceinline__ void store_slice(uint16_t* row, int lane, const float (&x)[Tiling<D>::kElems]) {
+#pragma unroll
+  for (int v = 0; v < Tiling<D>::kVecs; ++v) {
+    uint32_t w[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      w[e] = static_cast<uint32_t>(T::store(x[v * 8 + 2 * e])) |
+             (static_cast<uint32_t>(T::store(x[v * 8 + 2 * e + 1])) << 16);
+    *reinterpret_cast<uint4*>(row + (v * Tiling<D>::kLanes + lane) * 8) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+template <class T, int V>
+__device__ __forceinline__ float dot(const float (&a)[V * 8], const Slice<V>& b) {
+  float bf[V * 8];
+  unpack<T>(b, bf);
+  float acc = 0.f;
+#pragma unroll
+  for (int e = 0; e < V * 8; ++e) acc = fmaf(a[e], bf[e], acc);
+  return acc;
+}
+
+template <class T, int V>
+__device__ __forceinline__ void axpy(float a, const Slice<V>& x, float (&y)[V * 8]) {
+  float xf[V * 8];
+  unpack<T>(x, xf);
+#pragma unroll
+  for (int e = 0; e < V * 8; ++e) y[e] = fmaf(a, xf[e], y[e]);
+}
+
+// Sum over the team's lanes; every lane of the warp must call it.
+template <int Lanes>
+__device__ __forceinline__ float team_sum(float x) {
+#pragma unroll
+  for (int m = Lanes / 2; m > 0; m >>= 1) x += vendor::shfl_xor(x, m, Lanes);
+  return x;
+}
+
+struct Params {
+  const uint16_t* __restrict__ q;
+  const uint16_t* __restrict__ k;
+  const uint16_t* __restrict__ v;
+  const uint16_t* __restrict__ o;    // backward only
+  const uint16_t* __restrict__ d_o;  // backward only
+  const float* __restrict__ lse_in;  // backward only
+  const int32_t* __restrict__ kv_index;
+  uint16_t* __restrict__ out;  // forward: o; backward: dq
+  float* __restrict__ lse_out;  // forward only
+  uint16_t* __restrict__ dk;   // backward only
+  uint16_t* __restrict__ dv;   // backward only
+  int64_t n;
+  int h_q, h_kv;
+  int s_kv;         // padded: keys per row of k/v; packed: unused
+  int64_t kv_rows;  // packed: rows of k/v; padded: n * s_kv
+  bool packed;
+  float scale;
+};
+
+// Where sequence b's keys are. Lengths are read on the device, so padding is
+// never touched and no host sync is needed. A packed range that is out of
+// bounds or longer than the bound is flagged, and its outputs become NaN.
+struct Keys {
+  int64_t first;  // row of key 0
+  int len;        // keys to use
+  bool valid;
+};
+
+template <int KVB>
+__device__ __forceinline__ Keys locate_keys(const Params& p, int64_t b) {
+  if (!p.packed) {
+    int len = p.kv_index[b];
+    len = len < 0 ? 0 : (len > p.s_kv ? p.s_kv : len);
+    return {b * p.s_kv, len, true};
+  }
+  const int64_t start = p.kv_index[b], end = p.kv_index[b + 1];
+  const bool ok = start >= 0 && start <= end && end <= p.kv_rows && end - start <= KVB;
+  return {ok ? start : 0, ok ? static_cast<int>(end - start) : 0, ok};
+}
+
+// Row `row`, head g of a [rows, h_kv, d] view of k, v, dk or dv.
+template <class Ptr>
+__device__ __forceinline__ Ptr kv_row(Ptr base, const Params& p, int64_t row, int g, int d) {
+  return base + (row * p.h_kv + g) * static_cast<int64_t>(d);
+}
+
+// Forward: one team per (token, query head). Teams of one kv-head group are
+// adjacent, so a group's repeated k/v reads hit the cache.
+template <class T, int D, int KVB>
+__global__ void __launch_bounds__(kThreads, 2) small_seq_fwd_kernel(Params p) {
+  using Tile = Tiling<D>;
+  constexpr int L = Tile::kLanes, V = Tile::kVecs, E = Tile::kElems;
+  // Hold v in registers next to k (more loads in flight) while that leaves
+  // room for two blocks per SM.
+  constexpr bool kEarlyV = KVB * V <= 8;
+  const int lane = threadIdx.x % L;
+  const int64_t team = static_cast<int64_t>(blockIdx.x) * (kThreads / L) + threadIdx.x / L;
+  const bool active = team < p.n * p.h_q;
+  const int64_t b = active ? team / p.h_q : 0;
+  const int h = active ? static_cast<int>(team % p.h_q) : 0;
+  const int g = h / (p.h_q / p.h_kv);
+  const Keys keys = active ? locate_keys<KVB>(p, b) : Keys{0, 0, true};
+
+  float qf[E];
+  {
+    Slice<V> qs{};
+    if (active) qs = load_slice<D>(p.q + (b * p.h_q + h) * static_cast<int64_t>(D), lane);
+    unpack<T>(qs, qf);
+  }
+  // All of k's loads go out before the first use while they fit in registers.
+  constexpr bool kHoldK = KVB * V <= 16;
+  Slice<V> ks[kHoldK ? KVB : 1], vs[kEarlyV ? KVB : 1];
+  float s[KVB];
+#pragma unroll
+  for (int j = 0; j < KVB; ++j) {
+    if (j < keys.len) {
+      if constexpr (kHoldK) ks[j] = load_slice<D>(kv_row(p.k, p, keys.first + j, g, D), lane);
+      if constexpr (kEarlyV) vs[j] = load_slice<D>(kv_row(p.v, p, keys.first + j, g, D), lane);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < KVB; ++j) {
+    s[j] = 0.f;
+    if (j < keys.len) {
+      if constexpr (kHoldK) s[j] = dot<T, V>(qf, ks[j]);
+      else s[j] = dot<T, V>(qf, load_slice<D>(kv_row(p.k, p, keys.first + j, g, D), lane));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < KVB; ++j) s[j] = team_sum<L>(s[j]);
+
+  // Softmax in base 2 on logits pre-scaled by scale * log2(e).
+  const float c = p.scale * kLog2e;
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < KVB; ++j)
+    if (j < keys.len) m = fmaxf(m, s[j] * c);
+  float l = 0.f;
+#pragma unroll
+  for (int j = 0; j < KVB; ++j) {
+    s[j] = j < keys.len ? exp2f(s[j] * c - m) : 0.f;
+    l += s[j];
+  }
+  const float inv_l = keys.len > 0 ? 1.f / l : 0.f;
+  float acc[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] = 0.f;
+#pragma unroll
+  for (int j = 0; j < KVB; ++j) {
+    if (j < keys.len) {
+      if constexpr (kEarlyV) {
+        axpy<T, V>(s[j] * inv_l, vs[j], acc);
+      } else {
+        axpy<T, V>(s[j] * inv_l, load_slice<D>(kv_row(p.v, p, keys.first + j, g, D), lane), acc);
+      }
+    }
+  }
+  if (!active) return;
+  if (!keys.valid) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = NAN;
+  }
+  const int64_t row = b * p.h_q + h;
+  store_slice<T, D>(p.out + row * D, lane, acc);
+  if (lane == 0)
+    p.lse_out[row] = !keys.valid ? NAN : (keys.len > 0 ? (m + log2f(l)) * kLn2 : -INFINITY);
+}
+
+// Bytes of shared memory per backward team: p and ds for every (query head of
+// the group, key).
+inline size_t bwd_team_shared_bytes(int group, int kvb) { return static_cast<size_t>(group) * kvb * 2 * sizeof(float); }
+
+template <class T, int D>
+__device__ void fill_rows(uint16_t* base, const Params& p, int64_t first, int64_t last, int g, int lane, float value) {
+  using Tile = Tiling<D>;
+  float x[Tile::kElems];
+#pragma unroll
+  for (int e = 0; e < Tile::kElems; ++e) x[e] = value;
+  for (int64_t r = first; r < last; ++r) store_slice<T, D>(kv_row(base, p, r, g, D), lane, x);
+}
+
+// Backward: one team per (token, kv head) loops over the group's query heads,
+// so dK and dV are summed in registers and written once (no atomics).
+// Phase 1, per query head i: recompute P from the saved LSE, dP = dO.V,
+// dS = P (dP - rowsum(dO * O)); write dQ = scale * dS K; keep P, dS in shared
+// memory. Phase 2, per key j: dK_j = scale * sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i.
+// In packed mode, teams with b == n zero the rows no sequence owns.
+template <class T, int D, int KVB>
+__global__ void __launch_bounds__(kThreads, 2) small_seq_bwd_kernel(Params p, int teams_per_block) {
+  using Tile = Tiling<D>;
+  constexpr int L = Tile::kLanes, V = Tile::kVecs, E = Tile::kElems;
+  extern __shared__ float shared[];
+  const int group = p.h_q / p.h_kv;
+  const int lane = threadIdx.x % L;
+  const int team_in_block = threadIdx.x / L;
+  const int64_t team = static_cast<int64_t>(blockIdx.x) * teams_per_block + team_in_block;
+  const int64_t n_teams = (p.n + (p.packed ? 1 : 0)) * p.h_kv;
+  const bool in_range = team < n_teams;
+  const int64_t b = in_range ? team / p.h_kv : 0;
+  const int g = in_range ? static_cast<int>(team % p.h_kv) : 0;
+  const bool tail = p.packed && b == p.n;  // the unowned-rows team
+  const bool active = in_range && !tail;
+  const Keys keys = active ? locate_keys<KVB>(p, b) : Keys{0, 0, true};
+  float* p_sh = shared + static_cast<size_t>(team_in_block) * group * KVB * 2;
+  float* ds_sh = p_sh + group * KVB;
+  const float c = p.scale * kLog2e;
+
+  for (int i = 0; i < group; ++i) {  // trip count is the same for every team
+    const int h = g * group + i;
+    const int64_t qrow = (b * p.h_q + h) * static_cast<int64_t>(D);
+    float qf[E], dof[E];
+    float di;
+    float lse2 = 0.f;
+    {
+      Slice<V> qs{}, dos{}, os{};
+      if (active) {
+        qs = load_slice<D>(p.q + qrow, lane);
+        dos = load_slice<D>(p.d_o + qrow, lane);
+        os = load_slice<D>(p.o + qrow, lane);
+        lse2 = p.lse_in[b * p.h_q + h] * kLog2e;
+      }
+      unpack<T>(qs, qf);
+      unpack<T>(dos, dof);
+      di = team_sum<L>(dot<T, V>(dof, os));
+    }
+    float s[KVB], dp[KVB];
+#pragma unroll
+    for (int j = 0; j < KVB; ++j) {
+      s[j] = dp[j] = 0.f;
+      if (j < keys.len) {
+        s[j] = dot<T, V>(qf, load_slice<D>(kv_row(p.k, p, keys.first + j, g, D), lane));
+        dp[j] = dot<T, V>(dof, load_slice<D>(kv_row(p.v, p, keys.first + j, g, D), lane));
+      }
+    }
+    float dq[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) dq[e] = 0.f;
+#pragma unroll
+    for (int j = 0; j < KVB; ++j) {
+      s[j] = team_sum<L>(s[j]);
+      dp[j] = team_sum<L>(dp[j]);
+      const float pj = j < keys.len ? exp2f(s[j] * c - lse2) : 0.f;
+      const float dsj = pj * (dp[j] - di);
+      if (lane == 0) {
+        p_sh[i * KVB + j] = pj;
+        ds_sh[i * KVB + j] = dsj;
+      }
+      // k_j again: a cache hit, cheaper than holding all of k in registers.
+      if (j < keys.len) axpy<T, V>(dsj * p.scale, load_slice<D>(kv_row(p.k, p, keys.first + j, g, D), lane), dq);
+    }
+    if (active) store_slice<T, D>(p.out + qrow, lane, dq);
+  }
+  vendor::block_sync();
+  if (!in_range) return;
+  if (tail) {  // rows before the first sequence and after the last one
+    const int64_t first = p.kv_index[0], last = p.kv_index[p.n];
+    const int64_t lo = first < 0 ? 0 : (first > p.kv_rows ? p.kv_rows : first);
+    const int64_t hi = last < lo ? lo : (last > p.kv_rows ? p.kv_rows : last);
+    fill_rows<T, D>(p.dk, p, 0, lo, g, lane, 0.f);
+    fill_rows<T, D>(p.dv, p, 0, lo, g, lane, 0.f);
+    fill_rows<T, D>(p.dk, p, hi, p.kv_rows, g, lane, 0.f);
+    fill_rows<T, D>(p.dv, p, hi, p.kv_rows, g, lane, 0.f);
+    return;
+  }
+  // Padded rows own s_kv key slots (zero past the length); packed rows own len.
+  const int slots = p.packed ? keys.len : p.s_kv;
+  for (int j = 0; j < slots; ++j) {
+    float dk[E], dv[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) dk[e] = dv[e] = 0.f;
+    if (j < keys.len) {
+      for (int i = 0; i < group; ++i) {
+        const int64_t qrow = (b * p.h_q + g * group + i) * static_cast<int64_t>(D);
+        axpy<T, V>(ds_sh[i * KVB + j] * p.scale, load_slice<D>(p.q + qrow, lane), dk);
+        axpy<T, V>(p_sh[i * KVB + j], load_slice<D>(p.d_o + qrow, lane), dv);
+      }
+    }
+    store_slice<T, D>(kv_row(p.dk, p, keys.first + j, g, D), lane, dk);
+    store_slice<T, D>(kv_row(p.dv, p, keys.first + j, g, D), lane, dv);
+  }
+  if (!keys.valid) {  // a malformed packed range: say so with NaN, in bounds only
+    const int64_t start = p.kv_index[b], end = p.kv_index[b + 1];
+    const int64_t lo = start < 0 ? 0 : (start > p.kv_rows ? p.kv_rows : start);
+    const int64_t hi = end < lo ? lo : (end > p.kv_rows ? p.kv_rows : end);
+    fill_rows<T, D>(p.dk, p, lo, hi, g, lane, NAN);
+    fill_rows<T, D>(p.dv, p, lo, hi, g, lane, NAN);
+    float nan_row[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) nan_row[e] = NAN;
+    for (int i = 0; i < group; ++i)
+      store_slice<T, D>(p.out + (b * p.h_q + g * group + i) * static_cast<int64_t>(D), lane, nan_row);
+  }
+}
+
+}  // namespace fusedattn::small_seq

@@ -1,0 +1,137 @@
+"""The small-seq backend: one query token attending to at most 16 keys.
+
+Fused CUDA/HIP kernels (csrc/common/small_seq_kernels.cuh) behind two XLA FFI
+targets, ``fusedattn_small_seq_fwd`` and ``fusedattn_small_seq_bwd``, wrapped
+in a custom_vjp. The forward saves fp32 log-sum-exp ``[n, h_q, 1]``; the
+backward recomputes the probabilities from it.
+
+It serves `fused_attn_small_seq` (padded keys, or packed keys with offsets:
+sequence kind ``ragged``) and `fused_attn` configs of the same shape (s_q == 1,
+s_kv <= 16, no bias / dropout / mask / window / score_mod, vanilla softmax).
+Per-sequence key counts are read by the kernels on the device: padded lengths
+are clamped to ``[0, s_kv]``; a packed range that is out of bounds or longer
+than 16 gives NaN outputs (and gradients) for that sequence.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..config import AttnConfig
+from .base import AttnInputs
+
+HEAD_DIMS = (64, 128, 256, 512)
+DTYPES = ("bfloat16", "float16")
+MAX_KV = 16
+# The backward keeps P and dS of every (query head of a group, key) in shared
+# memory; this many query heads per kv head fit for every head dim.
+MAX_GROUP = 32
+TARGETS = ("fusedattn_small_seq_fwd", "fusedattn_small_seq_bwd")
+
+
+def config_reason(config: AttnConfig) -> Optional[str]:
+    """Why the kernels cannot run `config` (None if they can), from the config alone."""
+    rules = (
+        (config.s_q != 1, f"needs one query per sequence (s_q == 1), got s_q={config.s_q}"),
+        (config.s_kv > MAX_KV, f"needs at most {MAX_KV} keys per sequence, got s_kv={config.s_kv}"),
+        (config.dtype not in DTYPES, f"dtype {config.dtype} not in {DTYPES}"),
+        (config.d_qk != config.d_v or config.d_qk not in HEAD_DIMS,
+         f"head dim {config.d_qk}/{config.d_v} not in {HEAD_DIMS} (q, k, v alike)"),
+        (config.group_size > MAX_GROUP,
+         f"{config.group_size} query heads per kv head (at most {MAX_GROUP})"),
+        (config.layout != "bshd", f"layout {config.layout} (bshd only)"),
+        (config.qkv_packing != "separate", f"packed {config.qkv_packing} inputs (separate q, k, v only)"),
+        (config.has_bias, "no bias"),
+        (config.has_dropout, "no dropout"),
+        (config.mask != "none" or config.window is not None, "no causal mask or window"),
+        (config.softmax != "vanilla", f"softmax {config.softmax!r} (vanilla only)"),
+        (config.score_mod is not None, "no score_mod"),
+        (config.sequence not in ("dense", "padding", "ragged"),
+         f"sequence kind {config.sequence!r} (dense, padding or small-seq packed keys)"),
+    )
+    return next((why for broken, why in rules if broken), None)
+
+
+def _native_reason() -> Optional[str]:
+    """None when the extension is loaded and both FFI targets are registered."""
+    from . import native
+    return native.ensure_targets(TARGETS)
+
+
+class _SmallSeqBackend:
+    name = "small_seq"
+    platforms = ("cuda", "rocm")
+
+    def supports(self, config: AttnConfig) -> Optional[str]:
+        return config_reason(config) or _native_reason()
+
+    def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
+        reason = self.supports(config)
+        if reason is not None:
+            raise ValueError(f"small_seq backend cannot run {config.short()}: {reason}")
+        max_kv = MAX_KV if config.sequence == "ragged" else config.s_kv
+        return _attend(inputs.q, inputs.k, inputs.v, kv_index(config, inputs),
+                       float(config.scale), int(max_kv))
+
+
+def kv_index(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
+    """The kernels' int32 key index: kv lengths ``[n]`` (padded) or kv offsets ``[n + 1]``.
+
+    A padded query (q_length 0) gets no keys, so its output is 0.
+    """
+    seq = inputs.sequence
+    if config.sequence == "ragged":
+        return seq.kv_offsets.astype(jnp.int32)
+    if config.sequence == "dense" or seq is None:
+        return jnp.full((config.batch,), config.s_kv, jnp.int32)
+    return jnp.where(seq.q_lengths > 0, seq.kv_lengths, 0).astype(jnp.int32)
+
+
+def _forward_call(q, k, v, index, scale: float, max_kv: int):
+    n, _, h_q, _ = q.shape
+    return jax.ffi.ffi_call(
+        "fusedattn_small_seq_fwd",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((n, h_q, 1), jnp.float32)),
+        vmap_method="sequential",
+    )(q, k, v, index, scale=np.float32(scale), max_kv=np.int32(max_kv))
+
+
+def _backward_call(q, k, v, o, lse, d_o, index, scale: float, max_kv: int):
+    return jax.ffi.ffi_call(
+        "fusedattn_small_seq_bwd",
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
+        vmap_method="sequential",
+    )(q, k, v, o, lse, d_o, index, scale=np.float32(scale), max_kv=np.int32(max_kv))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend(q, k, v, index, scale, max_kv):
+    return _forward_call(q, k, v, index, scale, max_kv)[0]
+
+
+def _attend_fwd(q, k, v, index, scale, max_kv):
+    o, lse = _forward_call(q, k, v, index, scale, max_kv)
+    return o, (q, k, v, index, o, lse)
+
+
+def _attend_bwd(scale, max_kv, residuals, d_o):
+    q, k, v, index, o, lse = residuals
+    dq, dk, dv = _backward_call(q, k, v, o, lse, d_o.astype(o.dtype), index, scale, max_kv)
+    return dq, dk, dv, None
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+def forward_with_lse(config: AttnConfig, inputs: AttnInputs):
+    """(out, fp32 lse ``[n, h_q, 1]``) straight from the forward kernel (tests, benchmarks)."""
+    max_kv = MAX_KV if config.sequence == "ragged" else config.s_kv
+    return _forward_call(inputs.q, inputs.k, inputs.v, kv_index(config, inputs),
+                         float(config.scale), int(max_kv))
+
+
+BACKEND = _SmallSeqBackend()
