@@ -9,8 +9,8 @@
 #      small-seq sources, the CK wrappers (csrc/rocm/ck_*.cpp) against CK's
 #      headers, and the dispatchers CK's generator writes for our instance set.
 # Needs root + apt (Debian bookworm) the first time: installs hipcc and clang-19.
-# CK comes from FUSEDATTN_CK_DIR (a CK source tree) or the CK tree inside the
-# amd-aiter wheel; CK needs newer HIP headers than Debian's 5.2, taken from a
+# CK comes from ci/fetch_ck.sh (FUSEDATTN_CK_DIR, or the CK tree inside the
+# amd-aiter wheel); CK needs newer HIP headers than Debian's 5.2, taken from a
 # ROCm install (ROCM_PATH) or the HIP headers shipped in the triton wheel.
 # Downloads are cached in ${FUSEDATTN_AMD_CACHE:-~/.cache/fusedattn-amd}, so
 # reruns are quick. Any compile error exits non-zero.
@@ -19,7 +19,6 @@ cd "$(dirname "$0")/.."
 root=$PWD
 cache=${FUSEDATTN_AMD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/fusedattn-amd}
 work=${FUSEDATTN_AMD_BUILD:-build/amd-compile-check}
-AITER_VERSION=${AITER_VERSION:-0.1.7.post2.dev18}
 TRITON_VERSION=${TRITON_VERSION:-3.9.0}
 mkdir -p "$cache" "$work"
 start=$SECONDS
@@ -84,23 +83,8 @@ sys.exit(f"missing targets: {missing}" if missing else 0)
 EOF
 
 step "2. CK source tree and HIP headers for clang-19"
-ck_dir=${FUSEDATTN_CK_DIR:-}
-if [[ -z $ck_dir ]]; then
-  ck_dir="$cache/aiter-$AITER_VERSION/aiter_meta/3rdparty/composable_kernel"
-  if [[ ! -f $ck_dir/example/ck_tile/01_fmha/generate.py ]]; then
-    wheel_dir="$cache/wheels"; mkdir -p "$wheel_dir"
-    python3 -m pip download -q --no-deps "amd-aiter==$AITER_VERSION" -d "$wheel_dir"
-    python3 -m zipfile -e "$wheel_dir"/amd_aiter-"$AITER_VERSION"-*.whl "$cache/aiter-tmp"
-    mkdir -p "$cache/aiter-$AITER_VERSION/aiter_meta/3rdparty"
-    mkdir -p "$ck_dir/example/ck_tile"
-    mv "$cache/aiter-tmp/aiter_meta/3rdparty/composable_kernel/include" "$ck_dir/"
-    mv "$cache/aiter-tmp/aiter_meta/3rdparty/composable_kernel/example/ck_tile/01_fmha" "$ck_dir/example/ck_tile/"
-    rm -rf "$cache/aiter-tmp" "$wheel_dir"
-  fi
-  echo "CK:        $ck_dir (from the amd-aiter $AITER_VERSION wheel)"
-else
-  echo "CK:        $ck_dir (FUSEDATTN_CK_DIR)"
-fi
+ck_dir=$(bash ci/fetch_ck.sh)
+echo "CK:        $ck_dir${FUSEDATTN_CK_DIR:+ (FUSEDATTN_CK_DIR)}"
 rocm=${ROCM_PATH:-/opt/rocm}
 if [[ -f $rocm/include/hip/hip_runtime.h ]]; then
   hip_inc="$rocm/include"; hip_from="ROCm install $rocm"
@@ -109,18 +93,7 @@ else
   if [[ ! -f $hip_inc/hip/hip_runtime.h ]]; then
     wheel_dir="$cache/wheels"; mkdir -p "$wheel_dir"
     python3 -m pip download -q --no-deps "triton==$TRITON_VERSION" -d "$wheel_dir"
-    python3 - "$wheel_dir" "$hip_inc" <<'EOF'
-import glob, os, sys, zipfile
-wheel = glob.glob(os.path.join(sys.argv[1], "triton-*.whl"))[0]
-prefix = "triton/backends/amd/include/"
-with zipfile.ZipFile(wheel) as z:
-    for name in z.namelist():
-        if name.startswith(prefix) and not name.endswith("/"):
-            target = os.path.join(sys.argv[2], name[len(prefix):])
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with z.open(name) as src, open(target, "wb") as dst:
-                dst.write(src.read())
-EOF
+    python3 ci/unpack_wheel.py "$wheel_dir"/triton-*.whl triton/backends/amd/include "$hip_inc"
     rm -rf "$wheel_dir"
   fi
   hip_from="HIP $(grep -oE 'HIP_VERSION_(MAJOR|MINOR) [0-9]+' "$hip_inc/hip/hip_version.h" | awk '{print $2}' | paste -sd.) headers of the triton $TRITON_VERSION wheel, Debian's for the rest"

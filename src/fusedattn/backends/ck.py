@@ -22,7 +22,6 @@ compile-checked in CI and this module's lowering is tested on CPU.
 """
 from __future__ import annotations
 
-import threading
 from functools import partial
 from typing import NamedTuple, Optional
 
@@ -31,12 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import AttnConfig
+from . import native
 from .base import AttnInputs, unpack_qkv
 from .xla_masks import token_info
 
 TARGET_FWD = "fusedattn_ck_fwd"
 TARGET_BWD = "fusedattn_ck_bwd"
-FFI_PLATFORM = "ROCM"
 
 DTYPES = ("float16", "bfloat16")
 MAX_HEAD_DIM = 256
@@ -80,33 +79,9 @@ def config_reason(config: AttnConfig) -> Optional[str]:
     return None
 
 
-_lock = threading.Lock()
-_registered = False
-
-
-def _extension():
-    """The ROCm extension module (raises ImportError when it is not built)."""
-    from .. import _rocm  # noqa: PLC0415 - optional native part
-    return _rocm
-
-
 def extension_reason() -> Optional[str]:
-    """Why the CK FFI targets are unavailable (None: registered with JAX)."""
-    global _registered
-    with _lock:
-        if _registered:
-            return None
-        try:
-            targets = _extension().ffi_targets
-        except ImportError as e:
-            return f"fusedattn._rocm is not built or does not load ({e})"
-        missing = [t for t in (TARGET_FWD, TARGET_BWD) if t not in targets]
-        if missing:
-            return f"fusedattn._rocm was built without CK ({', '.join(missing)} missing)"
-        for name in (TARGET_FWD, TARGET_BWD):
-            jax.ffi.register_ffi_target(name, targets[name], platform=FFI_PLATFORM)
-        _registered = True
-        return None
+    """Why the CK FFI targets are unavailable (None: registered with JAX for ROCM)."""
+    return native.ensure_targets((TARGET_FWD, TARGET_BWD), "rocm")
 
 
 def supports(config: AttnConfig) -> Optional[str]:
@@ -302,7 +277,8 @@ def _dropout_words(config: AttnConfig, rng) -> jax.Array:
 
 
 def attention(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
-    extension_reason()  # registers the FFI targets when the extension is there
+    if native.gpu_platform() == "rocm":
+        extension_reason()  # registers the FFI targets; lowering elsewhere needs none
     q, k, v = unpack_qkv(config, inputs)
     grouped = config.is_packed
     seq = inputs.sequence
