@@ -121,6 +121,13 @@ def test_ck_shaped_configs_have_no_config_reason(kw):
     assert ck.config_reason(config) is None
 
 
+def test_ragged_reason():
+    from fusedattn.config import AttnConfig
+    config = AttnConfig(batch=4, s_q=1, s_kv=16, h_q=2, h_kv=2, d_qk=128, d_v=128,
+                        dtype="bfloat16", sequence="ragged", api="small_seq")
+    assert "'ragged'" in ck.config_reason(config)
+
+
 def test_int32_overflow_reason():
     from fusedattn.config import AttnConfig
     config = AttnConfig(batch=1024, s_q=65536, s_kv=64, h_q=64, h_kv=8, d_qk=128, d_v=128,

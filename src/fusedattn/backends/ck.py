@@ -51,6 +51,8 @@ _NO_MASK, _TOP_LEFT, _BOTTOM_RIGHT = 0, 1, 2
 # ---- what CK can run ---------------------------------------------------------
 def config_reason(config: AttnConfig) -> Optional[str]:
     """Why the generated CK kernels cannot serve `config` (None: they can)."""
+    if config.sequence not in _SEQUENCE:
+        return f"CK does not take {config.sequence!r} sequences (small-seq serves them)"
     if config.dtype not in DTYPES:
         return f"CK kernels are built for float16/bfloat16 only, not {config.dtype}"
     big = max(config.d_qk, config.d_v)
