@@ -143,7 +143,8 @@ function(_fusedattn_configure_rocm)
   endif()
   set_source_files_properties(${_sources} PROPERTIES LANGUAGE HIP)
 
-  pybind11_add_module(_rocm MODULE ${_sources} ${_ck_sources})
+  # NO_EXTRAS: no host LTO / stripping, which do not mix with clang's offload bundles.
+  pybind11_add_module(_rocm MODULE NO_EXTRAS ${_sources} ${_ck_sources})
   set_target_properties(_rocm PROPERTIES HIP_STANDARD 20 CXX_STANDARD 20)
   target_include_directories(_rocm PRIVATE
     "${FUSEDATTN_COMMON_DIR}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/rocm"
