@@ -17,7 +17,17 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 if [[ $step == all || $step == build ]]; then
+  # A C++ toolchain that links libstdc++ statically into shared objects (no
+  # libstdc++.so beside it; seen with /opt/gcc on the GPU image) breaks iostreams
+  # inside the extension (cudnn-frontend crashes formatting a number): prefer the
+  # system compiler then.
+  cxx=${CXX:-c++}
+  if [[ $("$cxx" -print-file-name=libstdc++.so 2>/dev/null) == libstdc++.so && -x /usr/bin/g++ ]]; then
+    echo "ci/cuda.sh: $cxx has no shared libstdc++; building with /usr/bin/g++"
+    export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+  fi
   # --no-build-isolation: the build reads XLA's FFI headers from the installed jax.
+  rm -rf /tmp/fusedattn-pkg  # a fresh install: pip --target never replaces an older one
   FUSEDATTN_GPU=cuda python3 -m pip install --no-build-isolation --no-deps --no-cache-dir \
     --target /tmp/fusedattn-pkg -v . 2>&1 | tee "$log_dir/build.log" | grep -E "fusedattn|error|warning: .*fusedattn" || true
   test -n "$(ls /tmp/fusedattn-pkg/fusedattn/_cuda*.so 2>/dev/null)" || { echo "CUDA extension not built"; tail -50 "$log_dir/build.log"; exit 1; }

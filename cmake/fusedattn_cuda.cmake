@@ -68,6 +68,18 @@ if(NOT EXISTS "${CUDNN_FRONTEND_INCLUDE}/cudnn_frontend.h")
   return()
 endif()
 
+# cudnn-frontend formats messages with iostreams, which crash when libstdc++ is
+# linked statically into this shared object: say so (ci/cuda.sh picks another g++).
+if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+  execute_process(COMMAND "${CMAKE_CXX_COMPILER}" -print-file-name=libstdc++.so
+                  OUTPUT_VARIABLE _libstdcxx OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(_libstdcxx STREQUAL "libstdc++.so")
+    message(WARNING "fusedattn: ${CMAKE_CXX_COMPILER} has no shared libstdc++; the extension "
+                    "would carry a static copy, which crashes in cudnn-frontend. Use a compiler "
+                    "with a shared libstdc++ (CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++).")
+  endif()
+endif()
+
 if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "")
   set(CMAKE_CUDA_ARCHITECTURES "90;80")
 endif()

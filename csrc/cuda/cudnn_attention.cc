@@ -15,6 +15,8 @@
 #include <cudnn_frontend.h>
 
 #include <chrono>
+#include <ios>
+#include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -33,8 +35,18 @@
 // The frontend's dynamic loader resolves cuDNN symbols through this handle. The
 // extension links libcudnn.so.9 (RPATH: the wheel jaxlib uses), so it is already
 // loaded and this returns that very library: one libcudnn per process.
+// Its CUDA runtime loader would take the first of libcudart.so.12 / .so.13 it can
+// open; pin the major version these headers were compiled for (unless the user
+// chose), since the two differ in struct layouts.
+// Some toolchains (a GCC 13 linking libstdc++ statically into shared objects) leave
+// this library's own standard streams unconstructed; the frontend logs and formats
+// messages through them. Constructing an Init object makes sure they exist.
+static std::ios_base::Init fusedattn_iostreams_init;
+
 namespace cudnn_frontend {
 void* cudnn_dlhandle = [] {
+  const std::string cudart = "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
+  setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", cudart.c_str(), /*overwrite=*/0);
   void* h = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
   return h ? h : dlopen("libcudnn.so.9", RTLD_NOW);
 }();
