@@ -15,7 +15,6 @@
 #include <cudnn_frontend.h>
 
 #include <chrono>
-#include <ios>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -38,11 +37,6 @@
 // Its CUDA runtime loader would take the first of libcudart.so.12 / .so.13 it can
 // open; pin the major version these headers were compiled for (unless the user
 // chose), since the two differ in struct layouts.
-// Some toolchains (a GCC 13 linking libstdc++ statically into shared objects) leave
-// this library's own standard streams unconstructed; the frontend logs and formats
-// messages through them. Constructing an Init object makes sure they exist.
-static std::ios_base::Init fusedattn_iostreams_init;
-
 namespace cudnn_frontend {
 void* cudnn_dlhandle = [] {
   const std::string cudart = "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
