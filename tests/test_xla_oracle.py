@@ -18,7 +18,7 @@ import pytest
 import attn_cases as ac
 import oracle
 from fusedattn.backends import xla
-from fusedattn.backends.xla_tiles import Tiling, choose_tiling
+from fusedattn.backends.xla_tiles import TILE, Tiling, choose_tiling
 from fusedattn.config import AttnConfig
 
 MASKS = ("none", "causal", "causal_bottom_right")
@@ -207,7 +207,7 @@ def test_tiling_choice(shape, expect_single):
     assert (t.n_q * t.n_kv == 1) == expect_single
     assert t.s_q >= s_q and t.s_kv >= s_kv and t.s_q % t.block_q == 0 and t.s_kv % t.block_kv == 0
     if not expect_single:
-        assert b * h * t.block_q * t.block_kv <= 1 << 23
+        assert b * h * t.block_q * t.block_kv <= TILE
         assert t.s_q - s_q < t.n_q * 8 and t.s_kv - s_kv < t.n_kv * 8  # little padding
 
 
