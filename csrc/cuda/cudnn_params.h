@@ -131,11 +131,14 @@ inline TensorGeometry v_geometry(const AttnParams& p) {
 inline TensorGeometry o_geometry(const AttnParams& p) {
   return operand_geometry(p, p.sq, p.hq, p.dv, 1, 0);
 }
-// Softmax statistics: fp32 [b, h, s_q] (a packed row's segments share its row).
+// Softmax statistics, fp32: [b, h, s_q] when dense or padded; token-major
+// [b * s_q, h] when packed, the layout cudnn-frontend sizes its backward
+// workspace for (Python transposes that one to [b, h, s_q] for users).
 inline TensorGeometry stats_geometry(const AttnParams& p) {
   TensorGeometry g;
   g.dims = {p.batch(), p.hq, p.sq, 1};
-  g.strides = {p.hq * p.sq, p.sq, 1, 1};
+  g.strides = p.packed() ? std::vector<int64_t>{p.sq * p.hq, 1, p.hq, 1}
+                         : std::vector<int64_t>{p.hq * p.sq, p.sq, 1, 1};
   return g;
 }
 inline TensorGeometry bias_geometry(const AttnParams& p) {

@@ -203,8 +203,8 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
     aux = _aux_arrays(config, inputs)
     if need_lse:
         # The LSE is a saved statistic: gradients flow through `out` only.
-        out, lse = _attend_with_lse(static, diff, aux)
-        return out, jax.lax.stop_gradient(lse)
+        out, stats = _attend_with_lse(static, diff, aux)
+        return out, _lse(config, jax.lax.stop_gradient(stats))
     return _attend(static, diff, aux), None
 
 
@@ -242,22 +242,31 @@ def _packed_arrays(config: AttnConfig, seq):
     kv_len = jnp.clip(seq.kv_lengths, 0, config.s_kv).astype(jnp.int32)
     tq = token_starts(q_len, seq.q_offsets, config.s_q)
     tkv = token_starts(kv_len, seq.kv_offsets, config.s_kv)
-    starts_q = jax.lax.cummax(jnp.where(q_len > 0, seq.q_offsets, 0).astype(jnp.int32), axis=1)
-    stats_rows = (jnp.arange(b, dtype=jnp.int32) * (config.h_q * config.s_q))[:, None]
-    ragged_stats = jnp.concatenate([(stats_rows + starts_q).reshape(-1),
-                                    jnp.array([b * config.h_q * config.s_q], jnp.int32)])
     return [q_len.reshape(-1), kv_len.reshape(-1),
             tq * (q_pack * config.h_q * config.d_qk),
             tkv * (kv_pack * config.h_kv * config.d_qk),
             tkv * (kv_pack * config.h_kv * config.d_v),
             tq * (config.h_q * config.d_v),
-            ragged_stats]
+            tq * config.h_q]  # statistics: token-major [b * s_q, h_q]
 
 
 def _out_shape(config: AttnConfig):
     if config.layout == "sbhd":
         return (config.s_q, config.batch, config.h_q, config.d_v)
     return (config.batch, config.s_q, config.h_q, config.d_v)
+
+
+def _stats_shape(config: AttnConfig):
+    """cuDNN's statistics buffer: [b, h, s_q], or token-major [b, s_q, h] when packed
+    (the layout cudnn-frontend sizes its THD backward workspace for)."""
+    if config.is_packed:
+        return (config.batch, config.s_q, config.h_q)
+    return (config.batch, config.h_q, config.s_q)
+
+
+def _lse(config: AttnConfig, stats):
+    """The contract's fp32 LSE [b, h_q, s_q] from cuDNN's statistics buffer."""
+    return jnp.swapaxes(stats, 1, 2) if config.is_packed else stats
 
 
 def _workspace(nbytes: int):
@@ -273,7 +282,7 @@ def _forward_call(static: _Static, diff, aux, training: bool):
     args += [sink] if sink is not None else []
     results = [jax.ShapeDtypeStruct(_out_shape(cfg), q.dtype)]
     if training:
-        results.append(jax.ShapeDtypeStruct((cfg.batch, cfg.h_q, cfg.s_q), jnp.float32))
+        results.append(jax.ShapeDtypeStruct(_stats_shape(cfg), jnp.float32))
     results.append(_workspace(static.workspace[1 if training else 0]))
     outs = jax.ffi.ffi_call(TARGET_FWD, tuple(results), vmap_method="sequential")(
         *args, key=static.key, training=np.int64(training))
