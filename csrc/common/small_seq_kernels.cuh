@@ -21,6 +21,15 @@
 
 namespace fusedattn::small_seq {
 
+// Blocks per SM the register allocation must allow (a tuning knob, measured in
+// benchmarks/bench_small_seq.py; overridable at build time).
+#ifndef FUSEDATTN_SMALL_SEQ_FWD_MIN_BLOCKS
+#define FUSEDATTN_SMALL_SEQ_FWD_MIN_BLOCKS 2
+#endif
+#ifndef FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS
+#define FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS 3
+#endif
+
 constexpr int kMaxKv = 16;
 constexpr int kThreads = 256;  // per block; a multiple of both warp widths
 constexpr float kLog2e = 1.4426950408889634f;
@@ -157,47 +166,42 @@ __device__ __forceinline__ Ptr kv_row(Ptr base, const Params& p, int64_t row, in
   return base + (row * p.h_kv + g) * static_cast<int64_t>(d);
 }
 
+// Key row j of this team, or a stand-in row past the length. Loads are then
+// unconditional (no branches), so all KVB of them issue back to back; the
+// stand-in is the team's own q row (already cached), so padding is never read.
+template <int D, class Ptr>
+__device__ __forceinline__ const uint16_t* key_or_stand_in(Ptr base, const Params& p, const Keys& keys, int j, int g,
+                                                           const uint16_t* stand_in) {
+  return j < keys.len ? kv_row(base, p, keys.first + j, g, D) : stand_in;
+}
+
 // Forward: one team per (token, query head). Teams of one kv-head group are
 // adjacent, so a group's repeated k/v reads hit the cache.
 template <class T, int D, int KVB>
-__global__ void __launch_bounds__(kThreads, 2) small_seq_fwd_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_FWD_MIN_BLOCKS) small_seq_fwd_kernel(Params p) {
   using Tile = Tiling<D>;
   constexpr int L = Tile::kLanes, V = Tile::kVecs, E = Tile::kElems;
-  // Hold v in registers next to k (more loads in flight) while that leaves
-  // room for two blocks per SM.
-  constexpr bool kEarlyV = KVB * V <= 8;
+  // k (then v) rows all in registers at once while they fit; else in halves.
+  constexpr int kChunk = KVB * V <= 16 ? KVB : KVB / 2;
   const int lane = threadIdx.x % L;
   const int64_t team = static_cast<int64_t>(blockIdx.x) * (kThreads / L) + threadIdx.x / L;
   const bool active = team < p.n * p.h_q;
-  const int64_t b = active ? team / p.h_q : 0;
-  const int h = active ? static_cast<int>(team % p.h_q) : 0;
-  const int g = h / (p.h_q / p.h_kv);
+  const int64_t row = active ? team : 0;  // (token, head) row of q, o, lse
+  const int64_t b = row / p.h_q;
+  const int g = static_cast<int>(row % p.h_q) / (p.h_q / p.h_kv);
   const Keys keys = active ? locate_keys<KVB>(p, b) : Keys{0, 0, true};
+  const uint16_t* q_row = p.q + row * D;
 
   float qf[E];
-  {
-    Slice<V> qs{};
-    if (active) qs = load_slice<D>(p.q + (b * p.h_q + h) * static_cast<int64_t>(D), lane);
-    unpack<T>(qs, qf);
-  }
-  // All of k's loads go out before the first use while they fit in registers.
-  constexpr bool kHoldK = KVB * V <= 16;
-  Slice<V> ks[kHoldK ? KVB : 1], vs[kEarlyV ? KVB : 1];
+  unpack<T>(load_slice<D>(q_row, lane), qf);
   float s[KVB];
 #pragma unroll
-  for (int j = 0; j < KVB; ++j) {
-    if (j < keys.len) {
-      if constexpr (kHoldK) ks[j] = load_slice<D>(kv_row(p.k, p, keys.first + j, g, D), lane);
-      if constexpr (kEarlyV) vs[j] = load_slice<D>(kv_row(p.v, p, keys.first + j, g, D), lane);
-    }
-  }
+  for (int j0 = 0; j0 < KVB; j0 += kChunk) {
+    Slice<V> ks[kChunk];
 #pragma unroll
-  for (int j = 0; j < KVB; ++j) {
-    s[j] = 0.f;
-    if (j < keys.len) {
-      if constexpr (kHoldK) s[j] = dot<T, V>(qf, ks[j]);
-      else s[j] = dot<T, V>(qf, load_slice<D>(kv_row(p.k, p, keys.first + j, g, D), lane));
-    }
+    for (int j = 0; j < kChunk; ++j) ks[j] = load_slice<D>(key_or_stand_in<D>(p.k, p, keys, j0 + j, g, q_row), lane);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) s[j0 + j] = dot<T, V>(qf, ks[j]);
   }
 #pragma unroll
   for (int j = 0; j < KVB; ++j) s[j] = team_sum<L>(s[j]);
@@ -219,21 +223,19 @@ __global__ void __launch_bounds__(kThreads, 2) small_seq_fwd_kernel(Params p) {
 #pragma unroll
   for (int e = 0; e < E; ++e) acc[e] = 0.f;
 #pragma unroll
-  for (int j = 0; j < KVB; ++j) {
-    if (j < keys.len) {
-      if constexpr (kEarlyV) {
-        axpy<T, V>(s[j] * inv_l, vs[j], acc);
-      } else {
-        axpy<T, V>(s[j] * inv_l, load_slice<D>(kv_row(p.v, p, keys.first + j, g, D), lane), acc);
-      }
-    }
+  for (int j0 = 0; j0 < KVB; j0 += kChunk) {
+    Slice<V> vs[kChunk];
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j) vs[j] = load_slice<D>(key_or_stand_in<D>(p.v, p, keys, j0 + j, g, q_row), lane);
+#pragma unroll
+    for (int j = 0; j < kChunk; ++j)
+      if (j0 + j < keys.len) axpy<T, V>(s[j0 + j] * inv_l, vs[j], acc);
   }
   if (!active) return;
   if (!keys.valid) {
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = NAN;
   }
-  const int64_t row = b * p.h_q + h;
   store_slice<T, D>(p.out + row * D, lane, acc);
   if (lane == 0)
     p.lse_out[row] = !keys.valid ? NAN : (keys.len > 0 ? (m + log2f(l)) * kLn2 : -INFINITY);
@@ -253,77 +255,89 @@ __device__ void fill_rows(uint16_t* base, const Params& p, int64_t first, int64_
 }
 
 // Backward: one team per (token, kv head) loops over the group's query heads,
-// so dK and dV are summed in registers and written once (no atomics).
-// Phase 1, per query head i: recompute P from the saved LSE, dP = dO.V,
-// dS = P (dP - rowsum(dO * O)); write dQ = scale * dS K; keep P, dS in shared
-// memory. Phase 2, per key j: dK_j = scale * sum_i dS_ij q_i, dV_j = sum_i P_ij dO_i.
+// so dK and dV are summed on chip and written once (no atomics).
+// Phase 1, per query head i, streaming over keys a few at a time (the saved
+// LSE gives P without a pass over all keys first): P = exp(s - lse),
+// dS = P (dO.V - rowsum(dO * O)), dQ += scale * dS k. With one query head per
+// kv head (MHA), dK_j = scale * dS_j q and dV_j = P_j dO are written right
+// there. Otherwise P and dS go to shared memory and phase 2, per key j, sums
+// dK_j = scale * sum_i dS_ij q_i and dV_j = sum_i P_ij dO_i.
 // In packed mode, teams with b == n zero the rows no sequence owns.
 template <class T, int D, int KVB>
-__global__ void __launch_bounds__(kThreads, 2) small_seq_bwd_kernel(Params p, int teams_per_block) {
+__global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS) small_seq_bwd_kernel(Params p, int teams_per_block) {
   using Tile = Tiling<D>;
   constexpr int L = Tile::kLanes, V = Tile::kVecs, E = Tile::kElems;
+  constexpr int kChunk = 4 / V;  // keys per step: 8 row slices of k and v in registers
   extern __shared__ float shared[];
   const int group = p.h_q / p.h_kv;
+  const bool fused_dkv = group == 1;  // the same for every team of the grid
   const int lane = threadIdx.x % L;
   const int team_in_block = threadIdx.x / L;
   const int64_t team = static_cast<int64_t>(blockIdx.x) * teams_per_block + team_in_block;
   const int64_t n_teams = (p.n + (p.packed ? 1 : 0)) * p.h_kv;
   const bool in_range = team < n_teams;
-  const int64_t b = in_range ? team / p.h_kv : 0;
   const int g = in_range ? static_cast<int>(team % p.h_kv) : 0;
-  const bool tail = p.packed && b == p.n;  // the unowned-rows team
+  const bool tail = in_range && p.packed && team / p.h_kv == p.n;  // the unowned-rows team
   const bool active = in_range && !tail;
+  const int64_t b = active ? team / p.h_kv : 0;  // idle teams read token 0, write nothing
   const Keys keys = active ? locate_keys<KVB>(p, b) : Keys{0, 0, true};
+  // Padded rows own s_kv key slots (zero past the length); packed rows own len.
+  const int slots = p.packed ? keys.len : p.s_kv;
   float* p_sh = shared + static_cast<size_t>(team_in_block) * group * KVB * 2;
   float* ds_sh = p_sh + group * KVB;
   const float c = p.scale * kLog2e;
 
   for (int i = 0; i < group; ++i) {  // trip count is the same for every team
-    const int h = g * group + i;
-    const int64_t qrow = (b * p.h_q + h) * static_cast<int64_t>(D);
-    float qf[E], dof[E];
-    float di;
-    float lse2 = 0.f;
-    {
-      Slice<V> qs{}, dos{}, os{};
-      if (active) {
-        qs = load_slice<D>(p.q + qrow, lane);
-        dos = load_slice<D>(p.d_o + qrow, lane);
-        os = load_slice<D>(p.o + qrow, lane);
-        lse2 = p.lse_in[b * p.h_q + h] * kLog2e;
-      }
-      unpack<T>(qs, qf);
-      unpack<T>(dos, dof);
-      di = team_sum<L>(dot<T, V>(dof, os));
-    }
-    float s[KVB], dp[KVB];
-#pragma unroll
-    for (int j = 0; j < KVB; ++j) {
-      s[j] = dp[j] = 0.f;
-      if (j < keys.len) {
-        s[j] = dot<T, V>(qf, load_slice<D>(kv_row(p.k, p, keys.first + j, g, D), lane));
-        dp[j] = dot<T, V>(dof, load_slice<D>(kv_row(p.v, p, keys.first + j, g, D), lane));
-      }
-    }
-    float dq[E];
+    const int64_t row = b * p.h_q + g * group + i;
+    const uint16_t* q_row = p.q + row * D;
+    float qf[E], dof[E], dq[E];
+    unpack<T>(load_slice<D>(q_row, lane), qf);
+    unpack<T>(load_slice<D>(p.d_o + row * D, lane), dof);
+    const float di = team_sum<L>(dot<T, V>(dof, load_slice<D>(p.o + row * D, lane)));
+    const float lse2 = p.lse_in[row] * kLog2e;
 #pragma unroll
     for (int e = 0; e < E; ++e) dq[e] = 0.f;
+#pragma unroll 1
+    for (int j0 = 0; j0 < KVB; j0 += kChunk) {
+      Slice<V> ks[kChunk], vs[kChunk];
 #pragma unroll
-    for (int j = 0; j < KVB; ++j) {
-      s[j] = team_sum<L>(s[j]);
-      dp[j] = team_sum<L>(dp[j]);
-      const float pj = j < keys.len ? exp2f(s[j] * c - lse2) : 0.f;
-      const float dsj = pj * (dp[j] - di);
-      if (lane == 0) {
-        p_sh[i * KVB + j] = pj;
-        ds_sh[i * KVB + j] = dsj;
+      for (int j = 0; j < kChunk; ++j) {
+        ks[j] = load_slice<D>(key_or_stand_in<D>(p.k, p, keys, j0 + j, g, q_row), lane);
+        vs[j] = load_slice<D>(key_or_stand_in<D>(p.v, p, keys, j0 + j, g, q_row), lane);
       }
-      // k_j again: a cache hit, cheaper than holding all of k in registers.
-      if (j < keys.len) axpy<T, V>(dsj * p.scale, load_slice<D>(kv_row(p.k, p, keys.first + j, g, D), lane), dq);
+      float pj[kChunk], dsj[kChunk];
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const float sj = team_sum<L>(dot<T, V>(qf, ks[j]));
+        const float dpj = team_sum<L>(dot<T, V>(dof, vs[j]));
+        const bool valid = j0 + j < keys.len;
+        pj[j] = valid ? exp2f(sj * c - lse2) : 0.f;
+        dsj[j] = valid ? pj[j] * (dpj - di) : 0.f;
+        if (valid) axpy<T, V>(dsj[j] * p.scale, ks[j], dq);
+        if (!fused_dkv && lane == 0) {
+          p_sh[i * KVB + j0 + j] = pj[j];
+          ds_sh[i * KVB + j0 + j] = dsj[j];
+        }
+      }
+      if (fused_dkv && active) {
+#pragma unroll
+        for (int j = 0; j < kChunk; ++j) {
+          if (j0 + j >= slots) continue;
+          const bool valid = j0 + j < keys.len;  // padding slots get exact zeros
+          float dk[E], dv[E];
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            dk[e] = valid ? dsj[j] * p.scale * qf[e] : 0.f;
+            dv[e] = valid ? pj[j] * dof[e] : 0.f;
+          }
+          store_slice<T, D>(kv_row(p.dk, p, keys.first + j0 + j, g, D), lane, dk);
+          store_slice<T, D>(kv_row(p.dv, p, keys.first + j0 + j, g, D), lane, dv);
+        }
+      }
     }
-    if (active) store_slice<T, D>(p.out + qrow, lane, dq);
+    if (active) store_slice<T, D>(p.out + row * D, lane, dq);
   }
-  vendor::block_sync();
+  if (!fused_dkv) vendor::block_sync();
   if (!in_range) return;
   if (tail) {  // rows before the first sequence and after the last one
     const int64_t first = p.kv_index[0], last = p.kv_index[p.n];
@@ -335,17 +349,15 @@ __global__ void __launch_bounds__(kThreads, 2) small_seq_bwd_kernel(Params p, in
     fill_rows<T, D>(p.dv, p, hi, p.kv_rows, g, lane, 0.f);
     return;
   }
-  // Padded rows own s_kv key slots (zero past the length); packed rows own len.
-  const int slots = p.packed ? keys.len : p.s_kv;
-  for (int j = 0; j < slots; ++j) {
+  for (int j = 0; !fused_dkv && j < slots; ++j) {
     float dk[E], dv[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) dk[e] = dv[e] = 0.f;
     if (j < keys.len) {
       for (int i = 0; i < group; ++i) {
-        const int64_t qrow = (b * p.h_q + g * group + i) * static_cast<int64_t>(D);
-        axpy<T, V>(ds_sh[i * KVB + j] * p.scale, load_slice<D>(p.q + qrow, lane), dk);
-        axpy<T, V>(p_sh[i * KVB + j], load_slice<D>(p.d_o + qrow, lane), dv);
+        const int64_t row = b * p.h_q + g * group + i;
+        axpy<T, V>(ds_sh[i * KVB + j] * p.scale, load_slice<D>(p.q + row * D, lane), dk);
+        axpy<T, V>(p_sh[i * KVB + j], load_slice<D>(p.d_o + row * D, lane), dv);
       }
     }
     store_slice<T, D>(kv_row(p.dk, p, keys.first + j, g, D), lane, dk);
