@@ -99,7 +99,8 @@ def main(argv=None) -> None:
         gib = 1024 ** 3
         print(f"\nlong sequence b{long['batch']} s{long['seq']} h{long['heads']} d{long['dim']} "
               f"{long['dtype']} fwd+bwd: {long['fwd_bwd_seconds']:.1f} s, peak RSS "
-              f"{long['peak_rss_bytes'] / gib:.2f} GiB (dense fp32 scores alone: "
+              f"{long['peak_rss_bytes'] / gib:.2f} GiB during the call, runtime and arrays "
+              f"included (dense fp32 scores alone: "
               f"{long['dense_fp32_scores_bytes'] / gib:.0f} GiB); checks {long['checks']}")
         rows.append(dict(long, case="long_sequence"))
     path = common.write_results("cpu_xla", rows, meta, a.out)

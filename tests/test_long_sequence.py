@@ -1,10 +1,11 @@
 """b1 s16384 h8 d64 forward+backward on the CPU without a dense score matrix.
 
-The work runs in a child process (benchmarks/long_sequence.py) so that its
-peak resident memory, from ``getrusage(RUSAGE_SELF).ru_maxrss`` in the child,
-belongs to this call alone: it must stay far below the 8 GiB that the fp32
-scores of one dense ``[1, 8, 16384, 16384]`` matrix would take (we allow 2 GiB,
-JAX runtime and inputs included). About 30 s on 2 cores.
+The work runs in a child process (benchmarks/long_sequence.py) that measures
+its own peak resident memory (Linux VmHWM, reset after compilation; ru_maxrss
+where that is unavailable). It must stay far below the 8 GiB that the fp32
+scores of one dense ``[1, 8, 16384, 16384]`` matrix would take: we allow 2 GiB,
+JAX runtime, inputs and outputs included (measured: about 0.8 GiB). About 15-30 s
+on 2 cores.
 """
 from __future__ import annotations
 
