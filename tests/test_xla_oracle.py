@@ -219,3 +219,23 @@ def test_supports():
     import dataclasses
     assert "ragged" in xla.BACKEND.supports(dataclasses.replace(config, sequence="ragged"))
     assert "dtype" in xla.BACKEND.supports(dataclasses.replace(config, dtype="float8_e4m3fn"))
+
+
+def test_bias_of_minus_infinity_masks_like_a_mask():
+    """A -inf bias (a common way to mask) may empty whole rows: 0 output, finite grads."""
+    built = ac.build(ac.Case(bias=(True, True), softmax="vanilla"))
+    bias = np.array(built.bias, np.float32)
+    bias[0, :, :, 5:] = -np.inf      # batch 0: only keys 0..4 visible
+    bias[1, 2, 7, :] = -np.inf       # batch 1, head 2, query 7: no key at all
+    built.bias = jnp.asarray(bias)
+    built.ref_kwargs["bias"] = bias.astype(np.float64)
+    for tiling in (None, Tiling.from_blocks(20, 20, 8, 8)):
+        out, lse, grads = ac.run_backend(built, tiling)
+        ref = ac.oracle_for(built)
+        assert np.all(out[1, 7, 2] == 0.0) and np.isneginf(lse[1, 2, 7])
+        ac.assert_close("out", out, ref.out, 1e-5)
+        for name in ("dq", "dk", "dv"):
+            ac.assert_close(name, grads[name], getattr(ref, name), 1e-5)
+        finite = np.isfinite(bias)
+        assert np.all(grads["dbias"][~finite] == 0.0)
+        ac.assert_close("dbias", grads["dbias"][finite], ref.dbias[finite], 1e-5)
