@@ -55,12 +55,16 @@ class Tiling:
     def from_blocks(cls, s_q: int, s_kv: int, block_q: int, block_kv: int) -> "Tiling":
         """Blocks of at most the given sizes, evened out so padding stays small."""
         def even(s, block):
-            n = -(-s // block)
+            n = _ceil_div(s, block)
             if n == 1:
                 return s
-            return min(block, -(-(-(-s // n)) // 8) * 8)  # ceil(s / n) rounded up to 8
+            return min(block, _ceil_div(_ceil_div(s, n), 8) * 8)  # s / n rounded up to 8
         bq, bk = even(s_q, block_q), even(s_kv, block_kv)
-        return cls(bq, bk, -(-s_q // bq) * bq, -(-s_kv // bk) * bk)
+        return cls(bq, bk, _ceil_div(s_q, bq) * bq, _ceil_div(s_kv, bk) * bk)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def choose_tiling(config: AttnConfig) -> Tiling:
