@@ -245,6 +245,7 @@ def check_case(case: Case, tiling=None, keep=None) -> None:
         assert_close("dbias", grads["dbias"], ref.dbias, tol)
     if case.softmax == "learnable":
         assert_close("d_offset", grads["d_offset"], ref.d_offset, tol)
+    assert len(grads["d_score_mod_args"]) == len(ref.d_score_mod_args)
     for i, (g, r) in enumerate(zip(grads["d_score_mod_args"], ref.d_score_mod_args)):
         assert_close(f"d_score_mod_args[{i}]", g, r, tol)
     assert_padding_zero(built, out)
