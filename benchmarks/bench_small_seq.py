@@ -83,7 +83,7 @@ def run(quick: bool):
             for kv in (4, 16, "ragged"):
                 cases.append((h, d, kv))
     if quick:
-        cases = [(16, 128, 16), (16, 128, "ragged")]
+        cases = [(16, 128, 4), (16, 128, 16), (16, 128, "ragged"), (16, 512, 16)]
     rows = []
     for h, d, kv in cases:
         s = 16 if kv == "ragged" else kv
@@ -170,5 +170,5 @@ def _plot(rows, path, copy):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="two cases only")
+    parser.add_argument("--quick", action="store_true", help="four cases only")
     run(parser.parse_args().quick)

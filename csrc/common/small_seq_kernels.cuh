@@ -27,7 +27,7 @@ namespace fusedattn::small_seq {
 #define FUSEDATTN_SMALL_SEQ_FWD_MIN_BLOCKS 2
 #endif
 #ifndef FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS
-#define FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS 3
+#define FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS 2
 #endif
 
 constexpr int kMaxKv = 16;
@@ -226,7 +226,8 @@ __global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_FWD_MIN_BLOCKS) 
   for (int j0 = 0; j0 < KVB; j0 += kChunk) {
     Slice<V> vs[kChunk];
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) vs[j] = load_slice<D>(key_or_stand_in<D>(p.v, p, keys, j0 + j, g, q_row), lane);
+    for (int j = 0; j < kChunk; ++j)
+      vs[j] = load_slice<D>(key_or_stand_in<D>(p.v, p, keys, j0 + j, g, q_row), lane);
 #pragma unroll
     for (int j = 0; j < kChunk; ++j)
       if (j0 + j < keys.len) axpy<T, V>(s[j0 + j] * inv_l, vs[j], acc);
@@ -256,8 +257,8 @@ __device__ void fill_rows(uint16_t* base, const Params& p, int64_t first, int64_
 
 // Backward: one team per (token, kv head) loops over the group's query heads,
 // so dK and dV are summed on chip and written once (no atomics).
-// Phase 1, per query head i, streaming over keys a few at a time (the saved
-// LSE gives P without a pass over all keys first): P = exp(s - lse),
+// Phase 1, per query head i, streaming over keys a few at a time with the next
+// few in flight (the saved LSE gives P without a first pass over all keys): P = exp(s - lse),
 // dS = P (dO.V - rowsum(dO * O)), dQ += scale * dS k. With one query head per
 // kv head (MHA), dK_j = scale * dS_j q and dV_j = P_j dO are written right
 // there. Otherwise P and dS go to shared memory and phase 2, per key j, sums
@@ -293,18 +294,25 @@ __global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS) 
     float qf[E], dof[E], dq[E];
     unpack<T>(load_slice<D>(q_row, lane), qf);
     unpack<T>(load_slice<D>(p.d_o + row * D, lane), dof);
-    const float di = team_sum<L>(dot<T, V>(dof, load_slice<D>(p.o + row * D, lane)));
+    const Slice<V> o_slice = load_slice<D>(p.o + row * D, lane);
+    Slice<V> ks[kChunk], vs[kChunk];
+    // Loads chunk j0 (past the end: stand-ins, cache hits) into k_dst, v_dst.
+    auto load_chunk = [&](int j0, Slice<V>(&k_dst)[kChunk], Slice<V>(&v_dst)[kChunk]) {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        k_dst[j] = load_slice<D>(key_or_stand_in<D>(p.k, p, keys, j0 + j, g, q_row), lane);
+        v_dst[j] = load_slice<D>(key_or_stand_in<D>(p.v, p, keys, j0 + j, g, q_row), lane);
+      }
+    };
+    load_chunk(0, ks, vs);  // in flight with q, dO, O
+    const float di = team_sum<L>(dot<T, V>(dof, o_slice));
     const float lse2 = p.lse_in[row] * kLog2e;
 #pragma unroll
     for (int e = 0; e < E; ++e) dq[e] = 0.f;
 #pragma unroll 1
     for (int j0 = 0; j0 < KVB; j0 += kChunk) {
-      Slice<V> ks[kChunk], vs[kChunk];
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        ks[j] = load_slice<D>(key_or_stand_in<D>(p.k, p, keys, j0 + j, g, q_row), lane);
-        vs[j] = load_slice<D>(key_or_stand_in<D>(p.v, p, keys, j0 + j, g, q_row), lane);
-      }
+      Slice<V> next_k[kChunk], next_v[kChunk];  // the next chunk, in flight meanwhile
+      load_chunk(j0 + kChunk, next_k, next_v);
       float pj[kChunk], dsj[kChunk];
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) {
@@ -333,6 +341,11 @@ __global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS) 
           store_slice<T, D>(kv_row(p.dk, p, keys.first + j0 + j, g, D), lane, dk);
           store_slice<T, D>(kv_row(p.dv, p, keys.first + j0 + j, g, D), lane, dv);
         }
+      }
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        ks[j] = next_k[j];
+        vs[j] = next_v[j];
       }
     }
     if (active) store_slice<T, D>(p.out + row * D, lane, dq);
