@@ -515,7 +515,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnAttentionForward, forward_impl,
                                   .Attr<std::string_view>("key")
                                   .Attr<int64_t>("training")
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets(),
+                              // No host sync, no allocation: XLA may capture it in CUDA graphs.
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnAttentionBackward, backward_impl,
                               ffi::Ffi::Bind()
@@ -523,7 +525,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnAttentionBackward, backward_impl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<std::string_view>("key")
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets(),
+                              // No host sync, no allocation: XLA may capture it in CUDA graphs.
+                              {ffi::Traits::kCmdBufferCompatible});
 
 // ---- Python side -------------------------------------------------------------------------
 namespace py = pybind11;
