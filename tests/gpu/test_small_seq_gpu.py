@@ -3,8 +3,11 @@ gradients for every head dim x dtype x KV length 1..16 with ragged lengths,
 GQA (h_q 16, h_kv 4), padded and packed keys. Outputs are checked to be fully
 written: the allocator's free memory is poisoned with NaN before each call.
 
-Run once under compute-sanitizer (memcheck) as well; see ci/cuda.sh / the
-issue's closing note for the command.
+Under compute-sanitizer (the platform allocator, so that an overrun leaves its
+allocation instead of landing in XLA's pool):
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \
+    --error-exitcode 9 python -m pytest -q -m gpu tests/gpu/test_small_seq_gpu.py \
+    -k "packed or malformed or head_groups"
 """
 from __future__ import annotations
 
