@@ -16,7 +16,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/fusedattn-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-if [[ $step == all || $step == build ]]; then
+if [[ $step == all || $step == build || ! -d /tmp/fusedattn-pkg/fusedattn ]]; then
   # A C++ toolchain that links libstdc++ statically into shared objects (no
   # libstdc++.so beside it; seen with /opt/gcc on the GPU image) breaks iostreams
   # inside the extension (cudnn-frontend crashes formatting a number): prefer the
@@ -43,5 +43,7 @@ if [[ $step == all || $step == bench ]]; then
     [[ $b == *cpu* ]] && continue
     python3 "$b" 2>&1 | tee "$log_dir/$(basename "$b" .py).log"
   done
-  cp benchmarks/results/* "$log_dir/" 2>/dev/null || true
+  # Only this run's result files, in one archive (the logs sit beside it).
+  find benchmarks/results -type f -newer "$log_dir/info.txt" -print0 \
+    | tar -czf "$log_dir/results.tgz" --null -T -
 fi

@@ -139,7 +139,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqFwd, ::fusedattn::small_seq::smal
                                   .Ret<::xla::ffi::AnyBuffer>()                     // o
                                   .Ret<::xla::ffi::Buffer<::xla::ffi::F32>>()       // lse
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("max_kv"));
+                                  .Attr<int32_t>("max_kv"),
+                              // Kernel launches only: XLA may capture it in CUDA graphs.
+                              {::xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqBwd, ::fusedattn::small_seq::small_seq_bwd,
                               ::xla::ffi::Ffi::Bind()
@@ -155,4 +157,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnSmallSeqBwd, ::fusedattn::small_seq::smal
                                   .Ret<::xla::ffi::AnyBuffer>()                     // dk
                                   .Ret<::xla::ffi::AnyBuffer>()                     // dv
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("max_kv"));
+                                  .Attr<int32_t>("max_kv"),
+                              // Kernel launches only: XLA may capture it in CUDA graphs.
+                              {::xla::ffi::Traits::kCmdBufferCompatible});

@@ -3,7 +3,8 @@ from .api import explain, fused_attn
 from .config import AttnConfig
 from .dispatch import Plan, UnsupportedError
 from .sequence import SequenceDescriptor
+from .small_seq_api import fused_attn_small_seq
 
-__all__ = ["fused_attn", "explain", "AttnConfig", "Plan", "SequenceDescriptor",
-           "UnsupportedError"]
+__all__ = ["fused_attn", "fused_attn_small_seq", "explain", "AttnConfig", "Plan",
+           "SequenceDescriptor", "UnsupportedError"]
 __version__ = "0.1.0"
