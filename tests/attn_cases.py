@@ -23,6 +23,7 @@ from fusedattn.validation import build_call
 TOLERANCE = {"bfloat16": 4e-2, "float16": 1e-2, "float32": 1e-5}
 PACKED_QKV = ("bs3hd", "sb3hd")
 PACKED_KV = ("bshd_bs2hd", "sbhd_sb2hd")
+SEQ_FIRST = ("sbhd", "sb3hd", "sbhd_sb2hd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,7 @@ def _sequence(case: Case, rng):
 
 def _to_user_layout(case: Case, q, k, v):
     """bshd q, k, v -> the (q, k, v) arguments for `case.layout`."""
-    seq_first = case.layout in ("sbhd", "sb3hd", "sbhd_sb2hd")
+    seq_first = case.layout in SEQ_FIRST
     t = (lambda x: jnp.swapaxes(x, 0, 1)) if seq_first else (lambda x: x)
     if case.layout in PACKED_QKV:
         return t(jnp.stack([q, k, v], axis=2)), None, None
@@ -117,7 +118,7 @@ def _to_user_layout(case: Case, q, k, v):
 
 
 def _grads_to_bshd(case: Case, gq, gk, gv):
-    seq_first = case.layout in ("sbhd", "sb3hd", "sbhd_sb2hd")
+    seq_first = case.layout in SEQ_FIRST
     t = (lambda x: np.swapaxes(x, 0, 1)) if seq_first else (lambda x: x)
     if case.layout in PACKED_QKV:
         packed = t(gq)
@@ -151,7 +152,10 @@ class Built:
                     score_mod_args=self.score_mod_args, layout=c.layout)
 
 
-def build(case: Case) -> Built:
+def build(case: Case, sequence: Optional[Callable] = None) -> Built:
+    """Random arrays for `case`. `sequence(case, rng) -> (descriptor, oracle kwargs)`
+    replaces the case's own random padding / packing (a backend with narrower rules
+    draws its own)."""
     case = case.fixed()
     rng = np.random.default_rng(case.seed)
     dt = jnp.dtype(case.dtype)
@@ -168,7 +172,7 @@ def build(case: Case) -> Built:
     offset = None
     if case.softmax == "learnable":
         offset = jnp.asarray(rng.standard_normal(case.h_q), jnp.float32)
-    sequence, seq_kwargs = _sequence(case, rng)
+    sequence, seq_kwargs = (sequence or _sequence)(case, rng)
     d_out = normal(case.b, case.s_q, case.h_q, case.d_v)
     mod_args = tuple(jnp.asarray(a) for a in case.score_mod_args)
     f64 = lambda x: None if x is None else np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
@@ -194,7 +198,7 @@ def run_backend(built: Built, tiling=None):
         return xla.attention_with_lse(config, inputs, tiling=tiling)
 
     (out, lse), vjp = jax.vjp(jax.jit(f), uq, uk, uv, built.bias, built.offset, built.score_mod_args)
-    seq_first = case.layout in ("sbhd", "sb3hd", "sbhd_sb2hd")
+    seq_first = case.layout in SEQ_FIRST
     d_out = jnp.swapaxes(built.d_out, 0, 1) if seq_first else built.d_out
     gq, gk, gv, gbias, goffset, gargs = vjp((d_out, jnp.zeros_like(lse)))
     as64 = lambda x: None if x is None else np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
@@ -251,14 +255,23 @@ def check_case(case: Case, tiling=None, keep=None) -> None:
     assert_padding_zero(built, out)
 
 
+def _padded(built: Built, side: str, s: int) -> np.ndarray:
+    kw = built.ref_kwargs
+    if f"{side}_lengths" in kw:
+        return np.arange(s)[None, :] >= np.asarray(kw[f"{side}_lengths"])[:, None]
+    if f"{side}_segment_ids" in kw:
+        return np.asarray(kw[f"{side}_segment_ids"]) == 0
+    return np.zeros((built.case.b, s), bool)
+
+
 def padded_query_mask(built: Built) -> np.ndarray:
     """[b, s_q] True where the query is not a real token."""
-    kw = built.ref_kwargs
-    if "q_lengths" in kw:
-        return np.arange(built.case.s_q)[None, :] >= kw["q_lengths"][:, None]
-    if "q_segment_ids" in kw:
-        return kw["q_segment_ids"] == 0
-    return np.zeros((built.case.b, built.case.s_q), bool)
+    return _padded(built, "q", built.case.s_q)
+
+
+def padded_key_mask(built: Built) -> np.ndarray:
+    """[b, s_kv] True where the key is not a real token."""
+    return _padded(built, "kv", built.case.s_kv)
 
 
 def assert_padding_zero(built: Built, out: np.ndarray) -> None:

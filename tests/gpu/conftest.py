@@ -1,11 +1,26 @@
 """GPU tests run only where a CUDA or ROCm GPU and the native extension are present;
-elsewhere (the CPU CI) every test under tests/gpu is skipped with the reason."""
+elsewhere (the CPU CI) every test under tests/gpu is skipped with the reason.
+
+One exception, for checking a GPU test's harness (inputs, layouts, reference
+values) on a machine without a GPU: with FUSEDATTN_GPU_TESTS_ON_CPU=1, tests
+marked `harness_on_cpu` are not skipped here. Such a test must run with a
+backend that needs no native extension (e.g. test_cudnn.py with
+FUSEDATTN_TEST_BACKEND=xla) and skip itself otherwise."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import pytest
+
+HARNESS_ON_CPU = os.environ.get("FUSEDATTN_GPU_TESTS_ON_CPU") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "harness_on_cpu: GPU test that can also run with a non-native backend "
+                   "(FUSEDATTN_GPU_TESTS_ON_CPU=1 runs it without a GPU)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,6 +39,8 @@ def gpu_skip_reason() -> Optional[str]:
 def pytest_collection_modifyitems(config, items):
     here = __file__.rsplit("/", 1)[0]
     gpu_items = [item for item in items if str(item.fspath).startswith(here)]
+    if HARNESS_ON_CPU:
+        gpu_items = [item for item in gpu_items if item.get_closest_marker("harness_on_cpu") is None]
     if not gpu_items:
         return
     reason = gpu_skip_reason()

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-CHILD = textwrap.dedent("""
+CHILD = textwrap.dedent(r"""
     import json, re, sys
     import jax, jax.numpy as jnp, numpy as np
     import fusedattn

@@ -1,327 +1,198 @@
-"""The cuDNN backend on a CUDA GPU: forward, LSE and every gradient against a
-float64 reference (jnp on the CPU with x64: an independent dense formulation of
-the semantics in config.py) and against the XLA backend, over masks x
-padding / packing x window x bias x softmax variants x GQA x head dims x
-dtypes; padded positions exactly 0; deterministic backward bitwise repeatable;
-dropout's forward and backward masks agree; explain() reasons."""
+"""The cuDNN backend on a CUDA GPU: forward, LSE and every gradient against the
+project's float64 oracle (tests/oracle.py, through tests/attn_cases.py) and
+against the XLA backend, over masks x padding / packing x window x bias x
+softmax variants x GQA x head dims x dtypes x layouts; padded positions
+exactly 0; deterministic backward bitwise repeatable; dropout's forward and
+backward masks agree; explain() reasons.
+
+The backend under test is FUSEDATTN_TEST_BACKEND (default "cudnn"). To check
+the harness itself on a machine without a GPU, run the tests marked
+`harness_on_cpu` against the XLA backend (tests/gpu/conftest.py lifts its skip):
+  FUSEDATTN_GPU_TESTS_ON_CPU=1 FUSEDATTN_TEST_BACKEND=xla PYTHONPATH=src \
+    python -m pytest -q tests/gpu/test_cudnn.py -p no:cacheprovider
+"""
 from __future__ import annotations
 
-import dataclasses
+import importlib
 import os
 import re
-from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import attn_cases as ac
 import fusedattn
 from fusedattn import dispatch
 from fusedattn.backends import cudnn, native
 from fusedattn.config import AttnConfig
 from fusedattn.sequence import SequenceDescriptor
+from fusedattn.validation import build_call
+
+BACKEND = os.environ.get("FUSEDATTN_TEST_BACKEND", "cudnn")
 
 pytestmark = pytest.mark.gpu
-
-TOL = {"bfloat16": 4e-2, "float16": 1e-2}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _on_cuda():
-    if dispatch.current_platform() != "cuda":
-        pytest.skip("needs a CUDA GPU")
+harness_on_cpu = pytest.mark.harness_on_cpu  # runs with any backend; see tests/gpu/conftest.py
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    name: str
-    b: int = 2
-    s_q: int = 128
-    s_kv: int = 128
-    h_q: int = 4
-    h_kv: int = 4
-    d_qk: int = 64
-    d_v: int = 64
-    dtype: str = "bfloat16"
-    mask: str = "none"
-    window: Optional[Tuple[int, int]] = None
-    bias: Optional[Tuple[int, int]] = None  # (batch dim, head dim) of the bias, 1 = broadcast
-    softmax: str = "vanilla"
-    sequence: str = "dense"  # dense | padding | packed
-    layout: str = "bshd"     # bshd | sbhd | bs3hd | bshd_bs2hd
-    deterministic: bool = False
+@pytest.fixture(autouse=True)
+def _on_cuda(request):
+    uses_cudnn = BACKEND == "cudnn" or request.node.get_closest_marker("harness_on_cpu") is None
+    if uses_cudnn and dispatch.current_platform() != "cuda":
+        pytest.skip("needs a CUDA GPU (cuDNN)")
+
+
+def _case(name: str, deterministic: bool = False, **fields):
+    """A cuDNN-sized attn_cases.Case (bf16, b 2, s 128, 4 heads, d 64 unless said)."""
+    case = ac.Case(**{**dict(b=2, s_q=128, s_kv=128, h_q=4, h_kv=4, d_qk=64, d_v=64,
+                             dtype="bfloat16"), **fields})
+    assert case.fixed() == case, name  # run exactly what is written here
+    return pytest.param(case, deterministic, id=name)
 
 
 CASES = [
-    Case("dense"),
-    Case("causal-fp16-d128", mask="causal", dtype="float16", d_qk=128, d_v=128),
-    Case("bottom-right-sq<skv", mask="causal_bottom_right", s_q=64, s_kv=128),
-    Case("window-both-sides", window=(32, 16)),
-    Case("causal-window-d128", mask="causal", window=(40, 0), d_qk=128, d_v=128),
-    Case("bias-1h", bias=(1, 4)),
-    Case("bias-bh-causal", bias=(2, 4), mask="causal"),
-    Case("off-by-one", softmax="off_by_one"),
-    Case("learnable-fp16-d128", softmax="learnable", dtype="float16", d_qk=128, d_v=128),
-    Case("gqa-8/2-causal-d128", h_q=8, h_kv=2, mask="causal", d_qk=128, d_v=128),
-    Case("mqa-4/1", h_kv=1),
-    Case("d256-causal", d_qk=256, d_v=256, mask="causal"),
-    Case("dqk128-dv64", d_qk=128, d_v=64),
-    Case("padding-causal", sequence="padding", mask="causal"),
-    Case("padding-bottom-right", sequence="padding", mask="causal_bottom_right", s_q=64),
-    Case("padding-window-fp16", sequence="padding", window=(24, 8), dtype="float16"),
-    Case("padding-learnable", sequence="padding", softmax="learnable"),
-    Case("packed-causal", sequence="packed", mask="causal"),
-    Case("packed-gqa", sequence="packed", h_q=8, h_kv=2),
-    Case("packed-bottom-right-window", sequence="packed", mask="causal_bottom_right",
-         window=(16, 0)),
-    Case("sbhd-causal", layout="sbhd", mask="causal"),
-    Case("bs3hd", layout="bs3hd", mask="causal"),
-    Case("bshd-bs2hd-gqa", layout="bshd_bs2hd", h_q=8, h_kv=2),
-    Case("deterministic-bias", deterministic=True, bias=(1, 4), mask="causal"),
+    _case("dense"),
+    _case("causal-fp16-d128", mask="causal", dtype="float16", d_qk=128, d_v=128),
+    _case("bottom-right-sq<skv", mask="causal_bottom_right", s_q=64, s_kv=128),
+    _case("window-both-sides", window=(32, 16)),
+    _case("causal-window-d128", mask="causal", window=(40, 0), d_qk=128, d_v=128),
+    _case("bias-1h", bias=(False, True)),
+    _case("bias-bh-causal", bias=(True, True), mask="causal"),
+    _case("off-by-one", softmax="off_by_one"),
+    _case("learnable-fp16-d128", softmax="learnable", dtype="float16", d_qk=128, d_v=128),
+    _case("gqa-8/2-causal-d128", h_q=8, h_kv=2, mask="causal", d_qk=128, d_v=128),
+    _case("mqa-4/1", h_kv=1),
+    _case("d256-causal", d_qk=256, d_v=256, mask="causal"),
+    _case("dqk128-dv64", d_qk=128, d_v=64),
+    _case("padding-causal", sequence="padding", mask="causal"),
+    _case("padding-bottom-right", sequence="padding", mask="causal_bottom_right", s_q=64),
+    _case("padding-window-fp16", sequence="padding", window=(24, 8), dtype="float16"),
+    _case("padding-learnable", sequence="padding", softmax="learnable"),
+    _case("packed-causal", sequence="packed", mask="causal"),
+    _case("packed-gqa", sequence="packed", h_q=8, h_kv=2),
+    _case("packed-bottom-right-window", sequence="packed", mask="causal_bottom_right",
+          window=(16, 0)),
+    _case("sbhd-causal", layout="sbhd", mask="causal"),
+    _case("bs3hd", layout="bs3hd", mask="causal"),
+    _case("bshd-bs2hd-gqa", layout="bshd_bs2hd", h_q=8, h_kv=2),
+    _case("deterministic-bias", deterministic=True, bias=(False, True), mask="causal"),
 ]
 
 
-# ---- inputs ---------------------------------------------------------------------------
-def _descriptor(case: Case, rng: np.random.Generator):
+def _sequence(case: ac.Case, rng: np.random.Generator):
+    """Padding / packing in the shapes cuDNN takes: (descriptor, oracle kwargs)."""
     if case.sequence == "padding":
         q_len = rng.integers(1, case.s_q + 1, case.b)
         q_len[0] = case.s_q  # one full row, one ragged
         kv_len = np.maximum(q_len * case.s_kv // case.s_q, 1) if case.s_kv != case.s_q else q_len
-        if case.mask == "causal_bottom_right":
+        if case.mask == "causal_bottom_right":  # every query sees a key
             kv_len = np.minimum(q_len + rng.integers(0, case.s_kv - case.s_q + 1, case.b), case.s_kv)
-        return SequenceDescriptor.from_lengths(jnp.asarray(q_len, jnp.int32),
-                                               jnp.asarray(kv_len, jnp.int32))
+        return (SequenceDescriptor.from_lengths(jnp.asarray(q_len, jnp.int32),
+                                                jnp.asarray(kv_len, jnp.int32)),
+                dict(q_lengths=q_len, kv_lengths=kv_len))
     if case.sequence == "packed":
         ids = np.zeros((case.b, case.s_q), np.int32)
-        for r in range(case.b):  # 3 segments, then trailing padding
+        for r in range(case.b):  # 3 non-empty segments, then trailing padding
             cuts = np.sort(rng.choice(np.arange(8, case.s_q - 8), 3, replace=False))
             ids[r, :cuts[0]] = 1
             ids[r, cuts[0]:cuts[1]] = 2
             ids[r, cuts[1]:cuts[2]] = 3
-        return SequenceDescriptor.from_segment_ids(jnp.asarray(ids), max_segments=3)
-    return None
+        return (SequenceDescriptor.from_segment_ids(jnp.asarray(ids), max_segments=3),
+                dict(q_segment_ids=ids, kv_segment_ids=ids))
+    return None, {}
 
 
-def _inputs(case: Case, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    dt = jnp.dtype(case.dtype)
-
-    def normal(*shape):
-        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dt)
-
-    q = normal(case.b, case.s_q, case.h_q, case.d_qk)
-    k = normal(case.b, case.s_kv, case.h_kv, case.d_qk)
-    v = normal(case.b, case.s_kv, case.h_kv, case.d_v)
-    bias = None if case.bias is None else normal(case.bias[0], case.bias[1], case.s_q, case.s_kv)
-    offset = jnp.asarray(rng.standard_normal(case.h_q), jnp.float32) \
-        if case.softmax == "learnable" else None
-    d_out = normal(case.b, case.s_q, case.h_q, case.d_v)
-    return q, k, v, bias, offset, _descriptor(case, rng), d_out
+def _build(case: ac.Case) -> ac.Built:
+    return ac.build(case, sequence=_sequence)
 
 
-def _to_layout(case: Case, q, k, v):
-    """bshd q, k, v -> the case's layout arguments for fused_attn."""
-    if case.layout == "sbhd":
-        return tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v))
-    if case.layout == "bs3hd":
-        return jnp.stack([q, k, v], axis=2), None, None
-    if case.layout == "bshd_bs2hd":
-        return q, jnp.stack([k, v], axis=2), None
-    return q, k, v
+def _run(built: ac.Built, deterministic: bool = False, backend: str = BACKEND, **extra):
+    """(out, dq, dk, dv, dbias, d_offset) from one jitted vjp of `fused_attn` on the
+    backend, as bshd float64 NumPy (None where the input is absent)."""
+    case = built.case
+    uq, uk, uv = ac._to_user_layout(case, built.q, built.k, built.v)
+    opts = dict(built.options(), deterministic=deterministic, backend=backend)
+    opts.update(extra)
+
+    def f(uq, uk, uv, bias, offset):
+        out = fusedattn.fused_attn(uq, uk, uv, **dict(opts, bias=bias, softmax_offset=offset))
+        return jnp.swapaxes(out, 0, 1) if case.layout in ac.SEQ_FIRST else out
+
+    out, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(uq, uk, uv, built.bias, built.offset)
+    gq, gk, gv, gbias, goffset = vjp(built.d_out)
+    as64 = lambda x: None if x is None else np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
+    dq, dk, dv = ac._grads_to_bshd(case, as64(gq), as64(gk), as64(gv))
+    return as64(out), dq, dk, dv, as64(gbias), as64(goffset)
 
 
-def _from_layout(case: Case, grads):
-    """Gradients w.r.t. the layout arguments -> bshd dq, dk, dv."""
-    if case.layout == "sbhd":
-        return tuple(jnp.swapaxes(g, 0, 1) for g in grads)
-    if case.layout == "bs3hd":
-        return tuple(grads[0][:, :, i] for i in range(3))
-    if case.layout == "bshd_bs2hd":
-        return grads[0], grads[1][:, :, 0], grads[1][:, :, 1]
-    return grads
-
-
-# ---- the float64 reference -------------------------------------------------------------
-def _token_info(case: Case, seq, s: int, side: str):
-    """Per token: segment id (0 = not a token), position in its sequence, its length."""
-    if seq is None:
-        ids = np.ones((case.b, s), np.int64)
-        return ids, np.broadcast_to(np.arange(s), (case.b, s)), np.full((case.b, s), s)
-    lengths = np.asarray(getattr(seq, f"{side}_lengths"))
-    if seq.kind == "padding":
-        pos = np.broadcast_to(np.arange(s), (case.b, s))
-        ids = (pos < lengths[:, None]).astype(np.int64)
-        return ids, pos, np.broadcast_to(lengths[:, None], (case.b, s))
-    ids = np.asarray(getattr(seq, f"{side}_segment_ids")).astype(np.int64)
-    pos = np.asarray(getattr(seq, f"{side}_positions"))
-    seg_len = np.take_along_axis(lengths, np.maximum(ids - 1, 0), axis=1)
-    return ids, pos, np.where(ids > 0, seg_len, 0)
-
-
-def _visible(case: Case, seq):
-    qi, qp, ql = _token_info(case, seq, case.s_q, "q")
-    ki, kp, kl = _token_info(case, seq, case.s_kv, "kv")
-    vis = (qi[:, :, None] > 0) & (qi[:, :, None] == ki[:, None, :])
-    off = (kl[:, None, :] - ql[:, :, None]) if case.mask == "causal_bottom_right" else 0
-    i, j = qp[:, :, None] + off, kp[:, None, :]
-    left, right = case.window if case.window else (-1, -1)
-    if case.mask != "none":
-        right = 0
-    if left >= 0:
-        vis &= j >= i - left
-    if right >= 0:
-        vis &= j <= i + right
-    return vis, qi > 0, ki > 0  # [b, s_q, s_kv], [b, s_q], [b, s_kv]
-
-
-def _reference(case: Case, scale: float, visible, q, k, v, bias, offset):
-    """Dense float64 attention in jnp (run on the CPU under x64)."""
-    g = case.h_q // case.h_kv
-    k = jnp.repeat(k, g, axis=2)
-    v = jnp.repeat(v, g, axis=2)
-    s = scale * jnp.einsum("bqhd,bkhd->bhqk", q, k)
-    if bias is not None:
-        s = s + bias
-    vis = jnp.asarray(visible)[:, None]
-    s = jnp.where(vis, s, -jnp.inf)
-    if case.softmax == "vanilla":
-        sink = None
-    else:
-        sink = jnp.zeros(case.h_q, s.dtype) if offset is None else offset
-        sink = jnp.broadcast_to(sink[None, :, None, None], s.shape[:3] + (1,))
-    full = s if sink is None else jnp.concatenate([s, sink], axis=-1)
-    m = jnp.max(full, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(full - m)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    p = e[..., :case.s_kv] / jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, v)
-    lse = (jnp.log(denom) + m)[..., 0]
-    return out, lse
-
-
-def _x64():
-    """The float64 context manager under either of its JAX names."""
-    if hasattr(jax, "enable_x64"):
-        return jax.enable_x64(True)
-    from jax.experimental import enable_x64
-    return enable_x64()
-
-
-def _reference_results(case: Case, scale, visible, q, k, v, bias, offset, d_out):
-    cpu = jax.devices("cpu")[0]
-    with _x64():
-        args = [None if x is None else jax.device_put(np.asarray(x, np.float64), cpu)
-                for x in (q, k, v, bias, offset)]
-        d_out64 = jax.device_put(np.asarray(d_out, np.float64), cpu)
-        out, vjp = jax.vjp(lambda *a: _reference(case, scale, visible, *a)[0], *args)
-        lse = _reference(case, scale, visible, *args)[1]  # outside the vjp: -inf rows
-        grads = vjp(d_out64)
-        return (np.asarray(out), np.asarray(lse),
-                [None if gr is None else np.asarray(gr) for gr in grads])
-
-
-def _rel(a, b) -> float:
-    a = np.asarray(a, np.float64)
-    b = np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def _run_cudnn(case: Case, q, k, v, bias, offset, seq, d_out, **extra):
-    qa, ka, va = _to_layout(case, q, k, v)
-    opts = dict(bias=bias, sequence=seq, mask=case.mask, window=case.window,
-                softmax=case.softmax, softmax_offset=offset, deterministic=case.deterministic,
-                layout=case.layout, backend="cudnn", **extra)
-    diff_idx = [i for i, x in enumerate((qa, ka, va, bias, offset)) if x is not None]
-
-    def f(*diff):
-        full = [qa, ka, va, bias, offset]
-        for i, x in zip(diff_idx, diff):
-            full[i] = x
-        fq, fk, fv, fb, fo = full
-        out = fusedattn.fused_attn(fq, fk, fv, **{**opts, "bias": fb, "softmax_offset": fo})
-        return jnp.swapaxes(out, 0, 1) if case.layout == "sbhd" else out
-
-    out, vjp = jax.jit(lambda *d: jax.vjp(f, *d))(*[(qa, ka, va, bias, offset)[i]
-                                                     for i in diff_idx])
-    grads = dict(zip(diff_idx, vjp(d_out)))
-    layout_grads = [grads[i] for i in range(3) if i in grads]
-    dq, dk, dv = _from_layout(case, tuple(layout_grads))
-    return out, dq, dk, dv, grads.get(3), grads.get(4)
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_against_float64_reference_and_xla(case: Case):
-    q, k, v, bias, offset, seq, d_out = _inputs(case)
-    scale = 1.0 / np.sqrt(case.d_qk)
-    visible, q_valid, kv_valid = _visible(case, seq)
-    ref_out, ref_lse, ref_grads = _reference_results(case, scale, visible, q, k, v, bias, offset,
-                                                     d_out)
-    # padded query rows get no cotangent (their output is defined as 0)
-    out, dq, dk, dv, dbias, doffset = _run_cudnn(case, q, k, v, bias, offset, seq, d_out)
-    tol = TOL[case.dtype]
-    checks = {"out": (out, ref_out), "dq": (dq, ref_grads[0]), "dk": (dk, ref_grads[1]),
-              "dv": (dv, ref_grads[2])}
-    if bias is not None:
-        checks["dbias"] = (dbias, ref_grads[3])
-    if offset is not None:
-        checks["doffset"] = (doffset, ref_grads[4])
-    errors = {name: _rel(got, want) for name, (got, want) in checks.items()}
+@harness_on_cpu
+@pytest.mark.parametrize("case,deterministic", CASES)
+def test_against_float64_reference_and_xla(case: ac.Case, deterministic: bool):
+    built = _build(case)
+    ref = ac.oracle_for(built)
+    out, dq, dk, dv, dbias, d_offset = _run(built, deterministic)
+    tol = ac.TOLERANCE[case.dtype]
+    checks = {"out": (out, ref.out), "dq": (dq, ref.dq), "dk": (dk, ref.dk), "dv": (dv, ref.dv)}
+    if built.bias is not None:
+        checks["dbias"] = (dbias, ref.dbias)
+    if built.offset is not None:
+        checks["doffset"] = (d_offset, ref.d_offset)
+    errors = {name: ac.rel_error(got, want) for name, (got, want) in checks.items()}
     assert all(np.isfinite(list(errors.values()))), errors
     assert max(errors.values()) < tol, errors
 
     # padded / unused positions are exactly zero
-    qv = np.asarray(q_valid)[:, :, None, None]
-    kvv = np.asarray(kv_valid)[:, :, None, None]
-    assert np.all(np.where(qv, 0, np.asarray(out, np.float32)) == 0)
-    assert np.all(np.where(qv, 0, np.asarray(dq, np.float32)) == 0)
-    assert np.all(np.where(kvv, 0, np.asarray(dk, np.float32)) == 0)
-    assert np.all(np.where(kvv, 0, np.asarray(dv, np.float32)) == 0)
+    q_pad, kv_pad = ac.padded_query_mask(built), ac.padded_key_mask(built)
+    assert np.all(out[q_pad] == 0) and np.all(dq[q_pad] == 0)
+    assert np.all(dk[kv_pad] == 0) and np.all(dv[kv_pad] == 0)
 
     # the LSE at real query positions, and the XLA backend on the same inputs
-    qa, ka, va = _to_layout(case, q, k, v)
-    opts = dict(bias=bias, sequence=seq, mask=case.mask, window=case.window,
-                softmax=case.softmax, softmax_offset=offset, layout=case.layout)
-    from fusedattn.validation import build_call
-    config, inputs = build_call(qa, ka, va, **opts)
-    _, lse = jax.jit(lambda i: cudnn.attention_with_lse(config, i))(inputs)
-    valid_rows = np.broadcast_to(np.asarray(q_valid)[:, None, :], ref_lse.shape)
-    assert _rel(np.asarray(lse)[valid_rows], ref_lse[valid_rows]) < 1e-3
-    xla_out = fusedattn.fused_attn(qa, ka, va, backend="xla", **opts)
-    if case.layout == "sbhd":
+    uq, uk, uv = ac._to_user_layout(case, built.q, built.k, built.v)
+    opts = built.options()
+    config, inputs = build_call(uq, uk, uv, **opts)
+    with_lse = importlib.import_module(f"fusedattn.backends.{BACKEND}").attention_with_lse
+    _, lse = jax.jit(lambda i: with_lse(config, i))(inputs)
+    valid_rows = np.broadcast_to(~q_pad[:, None, :], ref.lse.shape)
+    assert ac.rel_error(np.asarray(lse)[valid_rows], ref.lse[valid_rows]) < 1e-3
+    xla_out = fusedattn.fused_attn(uq, uk, uv, backend="xla", **opts)
+    if case.layout in ac.SEQ_FIRST:
         xla_out = jnp.swapaxes(xla_out, 0, 1)
-    assert _rel(out, xla_out) < tol
+    assert ac.rel_error(out, np.asarray(xla_out.astype(jnp.float32))) < tol
 
 
+@harness_on_cpu
 def test_deterministic_backward_is_bitwise_repeatable():
-    case = Case("det", b=2, s_q=512, s_kv=512, h_q=8, h_kv=2, d_qk=128, d_v=128, mask="causal",
-                deterministic=True)
-    q, k, v, bias, offset, seq, d_out = _inputs(case, seed=3)
-    first = _run_cudnn(case, q, k, v, bias, offset, seq, d_out)
+    case = ac.Case(b=2, s_q=512, s_kv=512, h_q=8, h_kv=2, d_qk=128, d_v=128, dtype="bfloat16",
+                   mask="causal", seed=3)
+    built = _build(case)
+    first = _run(built, deterministic=True)
     for _ in range(3):
-        again = _run_cudnn(case, q, k, v, bias, offset, seq, d_out)
+        again = _run(built, deterministic=True)
         for a, b in zip(first[:4], again[:4]):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(a, b)
 
 
+@harness_on_cpu
 def test_dropout_masks_agree_between_forward_and_backward():
     """O is linear in V (O = A V with A the dropped-out probabilities), so
     <dV, V> == <dO, O> holds only if the backward regenerates the forward's mask."""
-    case = Case("dropout", s_q=256, s_kv=256, mask="causal")
-    q, k, v, _, _, _, d_out = _inputs(case, seed=5)
+    case = ac.Case(b=2, s_q=256, s_kv=256, h_q=4, h_kv=4, d_qk=64, d_v=64, dtype="bfloat16",
+                   mask="causal", seed=5)
+    built = _build(case)
+    q, k, v, d_out = built.q, built.k, built.v, built.d_out
     key = jax.random.PRNGKey(7)
-    out, _, _, dv, _, _ = _run_cudnn(case, q, k, v, None, None, None, d_out, dropout=0.25, rng=key)
-    lhs = float(jnp.vdot(dv.astype(jnp.float32), v.astype(jnp.float32)))
-    rhs = float(jnp.vdot(d_out.astype(jnp.float32), out.astype(jnp.float32)))
+    out, _, _, dv, _, _ = _run(built, dropout=0.25, rng=key)
+    lhs = float(np.vdot(dv, np.asarray(v.astype(jnp.float32), np.float64)))
+    rhs = float(np.vdot(np.asarray(d_out.astype(jnp.float32), np.float64), out))
     assert abs(lhs - rhs) <= 2e-2 * max(abs(rhs), 1.0), (lhs, rhs)
     run = jax.jit(lambda q, k, v, key: fusedattn.fused_attn(
-        q, k, v, mask="causal", dropout=0.25, rng=key, backend="cudnn"))
+        q, k, v, mask="causal", dropout=0.25, rng=key, backend=BACKEND))
     a, b, c = run(q, k, v, key), run(q, k, v, key), run(q, k, v, jax.random.PRNGKey(8))
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(a), np.asarray(c))
-    plain = fusedattn.fused_attn(q, k, v, mask="causal", backend="cudnn")
-    assert _rel(a, plain) > 0.05  # dropout did something
+    plain = fusedattn.fused_attn(q, k, v, mask="causal", backend=BACKEND)
+    assert ac.rel_error(a.astype(jnp.float32), plain.astype(jnp.float32)) > 0.05  # dropout did something
 
 
 def test_explain_names_cudnn_or_gives_the_frontend_reason():
