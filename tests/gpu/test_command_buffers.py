@@ -1,11 +1,14 @@
-"""Native handlers are safe inside XLA's command buffers (CUDA graphs).
+"""Native handlers stay correct with XLA's command buffers (CUDA graphs) on.
 
 The handlers declare XLA's command-buffer trait, so XLA may capture them into
 CUDA graphs; they must then do no host synchronisation and no allocation
 during capture. Each case runs in a fresh process (XLA reads its flags once)
-with command buffers forced on for custom calls, checks that the optimised
-HLO really holds a command buffer with our call inside, and compares replays
-against the XLA backend in the same process.
+with command buffers forced on for custom calls (minimum graph size 1), and
+checks that the captured step runs, replays bit-identically, and matches the
+XLA backend. What this cannot show: that XLA did capture our call. In JAX
+0.11's XLA, command buffers are formed on the thunk sequence, after the
+optimised HLO, so the HLO text does not show them (seen on the H100,
+2026-11-22); a handler XLA declined to capture would also pass.
 """
 import json
 import os
@@ -18,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 CHILD = textwrap.dedent(r"""
-    import json, re, sys
+    import json, sys
     import jax, jax.numpy as jnp, numpy as np
     import fusedattn
     backend, shape_q, shape_kv, target = sys.argv[1], eval(sys.argv[2]), eval(sys.argv[3]), sys.argv[4]
@@ -40,10 +43,7 @@ CHILD = textwrap.dedent(r"""
     flat = lambda t: [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(t)]
     rel = max(float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(flat(runs[-1]), flat(ref)))
     same = all(np.array_equal(a, b) for r in runs[1:] for a, b in zip(flat(r), flat(runs[0])))
-    # Top-level HLO computations start at column 0; is our call inside a command buffer's?
-    blocks = re.split(r"\n(?=\S)", hlo)
-    inside = any("command_buffer" in b.splitlines()[0] and target in b for b in blocks if b.strip())
-    print(json.dumps({"command_buffer": inside, "target_in_hlo": target in hlo,
+    print(json.dumps({"target_in_hlo": target in hlo,
                       "rel_err_vs_xla": rel, "replays_identical": same}))
 """)
 
@@ -52,7 +52,7 @@ CHILD = textwrap.dedent(r"""
     ("cudnn", (2, 256, 8, 64), (2, 256, 8, 64), "fusedattn_cudnn"),
     ("small_seq", (1024, 1, 8, 128), (1024, 16, 8, 128), "fusedattn_small_seq"),
 ])
-def test_handlers_run_inside_command_buffers(backend, shape_q, shape_kv, target):
+def test_handlers_with_command_buffers_on(backend, shape_q, shape_kv, target):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
                         " --xla_gpu_graph_min_graph_size=1").strip()
@@ -61,6 +61,5 @@ def test_handlers_run_inside_command_buffers(backend, shape_q, shape_kv, target)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["target_in_hlo"], result
-    assert result["command_buffer"], f"XLA did not capture {backend} in a command buffer: {result}"
     assert result["replays_identical"], result
     assert result["rel_err_vs_xla"] < 4e-2, result  # bf16 tolerance
