@@ -255,6 +255,30 @@ __device__ void fill_rows(uint16_t* base, const Params& p, int64_t first, int64_
   for (int64_t r = first; r < last; ++r) store_slice<T, D>(kv_row(base, p, r, g, D), lane, x);
 }
 
+// Packed mode: zero dK and dV rows (head g) that no sequence owns, before the
+// first sequence and after the last one.
+template <class T, int D>
+__device__ void zero_unowned_rows(const Params& p, int g, int lane) {
+  const int64_t first = p.kv_index[0], last = p.kv_index[p.n];
+  const int64_t lo = first < 0 ? 0 : (first > p.kv_rows ? p.kv_rows : first);
+  const int64_t hi = last < lo ? lo : (last > p.kv_rows ? p.kv_rows : last);
+  fill_rows<T, D>(p.dk, p, 0, lo, g, lane, 0.f);
+  fill_rows<T, D>(p.dv, p, 0, lo, g, lane, 0.f);
+  fill_rows<T, D>(p.dk, p, hi, p.kv_rows, g, lane, 0.f);
+  fill_rows<T, D>(p.dv, p, hi, p.kv_rows, g, lane, 0.f);
+}
+
+// Packed mode, malformed range of sequence b: NaN in its dK and dV rows (head
+// g), clamped to the rows that exist.
+template <class T, int D>
+__device__ void nan_malformed_rows(const Params& p, int64_t b, int g, int lane) {
+  const int64_t start = p.kv_index[b], end = p.kv_index[b + 1];
+  const int64_t lo = start < 0 ? 0 : (start > p.kv_rows ? p.kv_rows : start);
+  const int64_t hi = end < lo ? lo : (end > p.kv_rows ? p.kv_rows : end);
+  fill_rows<T, D>(p.dk, p, lo, hi, g, lane, NAN);
+  fill_rows<T, D>(p.dv, p, lo, hi, g, lane, NAN);
+}
+
 // Backward: one team per (token, kv head) loops over the group's query heads,
 // so dK and dV are summed on chip and written once (no atomics).
 // Phase 1, per query head i, streaming over keys a few at a time with the next
@@ -352,14 +376,8 @@ __global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS) 
   }
   if (!fused_dkv) vendor::block_sync();
   if (!in_range) return;
-  if (tail) {  // rows before the first sequence and after the last one
-    const int64_t first = p.kv_index[0], last = p.kv_index[p.n];
-    const int64_t lo = first < 0 ? 0 : (first > p.kv_rows ? p.kv_rows : first);
-    const int64_t hi = last < lo ? lo : (last > p.kv_rows ? p.kv_rows : last);
-    fill_rows<T, D>(p.dk, p, 0, lo, g, lane, 0.f);
-    fill_rows<T, D>(p.dv, p, 0, lo, g, lane, 0.f);
-    fill_rows<T, D>(p.dk, p, hi, p.kv_rows, g, lane, 0.f);
-    fill_rows<T, D>(p.dv, p, hi, p.kv_rows, g, lane, 0.f);
+  if (tail) {
+    zero_unowned_rows<T, D>(p, g, lane);
     return;
   }
   for (int j = 0; !fused_dkv && j < slots; ++j) {
@@ -377,16 +395,116 @@ __global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS) 
     store_slice<T, D>(kv_row(p.dv, p, keys.first + j, g, D), lane, dv);
   }
   if (!keys.valid) {  // a malformed packed range: say so with NaN, in bounds only
-    const int64_t start = p.kv_index[b], end = p.kv_index[b + 1];
-    const int64_t lo = start < 0 ? 0 : (start > p.kv_rows ? p.kv_rows : start);
-    const int64_t hi = end < lo ? lo : (end > p.kv_rows ? p.kv_rows : end);
-    fill_rows<T, D>(p.dk, p, lo, hi, g, lane, NAN);
-    fill_rows<T, D>(p.dv, p, lo, hi, g, lane, NAN);
+    nan_malformed_rows<T, D>(p, b, g, lane);
     float nan_row[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) nan_row[e] = NAN;
     for (int i = 0; i < group; ++i)
       store_slice<T, D>(p.out + (b * p.h_q + g * group + i) * static_cast<int64_t>(D), lane, nan_row);
+  }
+}
+
+// Backward with one query head per kv head (MHA), at most 4 keys and one
+// 16-byte vector per lane (d <= 256). There a team's whole key set is one
+// burst of loads followed by compute with nothing in flight, which leaves the
+// memory system idle too often (0.75 of copy bandwidth on H100; 0.96-1.01 with
+// this kernel). So
+// each team walks Items (token, head) rows kPerBlock apart (a block still
+// covers contiguous rows at every step) and loads the next row's k and v
+// while it computes this one, as the chunk loop of the general kernel does.
+// The math, stores and error handling are those of small_seq_bwd_kernel with
+// group == 1.
+template <class T, int D, int KVB, int Items>
+__global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS) small_seq_bwd_mha_kernel(Params p) {
+  using Tile = Tiling<D>;
+  constexpr int L = Tile::kLanes, V = Tile::kVecs, E = Tile::kElems;
+  constexpr int kPerBlock = kThreads / L;
+  static_assert(KVB * V <= 4, "two sets of k and v rows must fit in registers");
+  const int lane = threadIdx.x % L;
+  const int64_t n_teams = (p.n + (p.packed ? 1 : 0)) * p.h_kv;
+  const float c = p.scale * kLog2e;
+  // Team t (one (token, head) row, since h_q == h_kv) computes when in range
+  // and not the packed unowned-rows team; others read row 0 and write nothing.
+  auto is_active = [&](int64_t t) { return t < n_teams && !(p.packed && t / p.h_kv == p.n); };
+  auto keys_of = [&](int64_t t, bool needed) {
+    return needed && is_active(t) ? locate_keys<KVB>(p, t / p.h_kv) : Keys{0, 0, true};
+  };
+  // Stand-ins past the length are q row 0: one row, cached, for every team.
+  auto load_keys = [&](int64_t t, const Keys& keys, Slice<V>(&k)[KVB], Slice<V>(&v)[KVB]) {
+    const int g = static_cast<int>(t % p.h_kv);
+#pragma unroll
+    for (int j = 0; j < KVB; ++j) {
+      k[j] = load_slice<D>(key_or_stand_in<D>(p.k, p, keys, j, g, p.q), lane);
+      v[j] = load_slice<D>(key_or_stand_in<D>(p.v, p, keys, j, g, p.q), lane);
+    }
+  };
+
+  int64_t team = static_cast<int64_t>(blockIdx.x) * kPerBlock * Items + threadIdx.x / L;
+  Keys keys = keys_of(team, true);
+  Slice<V> ks[KVB], vs[KVB];
+  load_keys(team, keys, ks, vs);
+  Keys next_keys = keys_of(team + kPerBlock, Items > 1);
+#pragma unroll 1
+  for (int it = 0; it < Items; ++it, team += kPerBlock) {
+    const bool in_range = team < n_teams;
+    const bool tail = in_range && !is_active(team);
+    const bool active = is_active(team);
+    const int64_t row = active ? team : 0;
+    const int g = static_cast<int>(row % p.h_kv);
+    float qf[E], dof[E], dq[E];
+    unpack<T>(load_slice<D>(p.q + row * D, lane), qf);
+    unpack<T>(load_slice<D>(p.d_o + row * D, lane), dof);
+    const Slice<V> o_slice = load_slice<D>(p.o + row * D, lane);
+    const float lse2 = p.lse_in[row] * kLog2e;
+    // The next row's keys (past the last item: stand-ins, cache hits) and
+    // where the one after starts: in flight while this row computes.
+    Slice<V> next_k[KVB], next_v[KVB];
+    load_keys(team + kPerBlock, next_keys, next_k, next_v);
+    const Keys after_keys = keys_of(team + 2 * kPerBlock, it + 2 < Items);
+
+    const float di = team_sum<L>(dot<T, V>(dof, o_slice));
+#pragma unroll
+    for (int e = 0; e < E; ++e) dq[e] = 0.f;
+    float pj[KVB], dsj[KVB];
+#pragma unroll
+    for (int j = 0; j < KVB; ++j) {
+      const float sj = team_sum<L>(dot<T, V>(qf, ks[j]));
+      const float dpj = team_sum<L>(dot<T, V>(dof, vs[j]));
+      const bool valid = j < keys.len;
+      pj[j] = valid ? exp2f(sj * c - lse2) : 0.f;
+      dsj[j] = valid ? pj[j] * (dpj - di) : 0.f;
+      if (valid) axpy<T, V>(dsj[j] * p.scale, ks[j], dq);
+    }
+    if (active) {
+      const int slots = p.packed ? keys.len : p.s_kv;  // padded slots get exact zeros
+#pragma unroll
+      for (int j = 0; j < KVB; ++j) {
+        if (j >= slots) continue;
+        const bool valid = j < keys.len;
+        float dk[E], dv[E];
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+          dk[e] = valid ? dsj[j] * p.scale * qf[e] : 0.f;
+          dv[e] = valid ? pj[j] * dof[e] : 0.f;
+        }
+        store_slice<T, D>(kv_row(p.dk, p, keys.first + j, g, D), lane, dk);
+        store_slice<T, D>(kv_row(p.dv, p, keys.first + j, g, D), lane, dv);
+      }
+      if (!keys.valid) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) dq[e] = NAN;
+      }
+      store_slice<T, D>(p.out + row * D, lane, dq);
+      if (!keys.valid) nan_malformed_rows<T, D>(p, row / p.h_kv, g, lane);  // in bounds only
+    }
+    if (tail) zero_unowned_rows<T, D>(p, static_cast<int>(team % p.h_kv), lane);
+#pragma unroll
+    for (int j = 0; j < KVB; ++j) {
+      ks[j] = next_k[j];
+      vs[j] = next_v[j];
+    }
+    keys = next_keys;
+    next_keys = after_keys;
   }
 }
 

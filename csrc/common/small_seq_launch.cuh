@@ -28,6 +28,11 @@ inline int bwd_teams_per_block(int d, int group, int kvb) {
   return teams >= step ? teams : 0;
 }
 
+inline std::string launch_error() {
+  const vendor::error_t err = vendor::last_error();
+  return err == vendor::kSuccess ? std::string() : std::string("kernel launch failed: ") + vendor::error_string(err);
+}
+
 template <class T, int D, int KVB>
 std::string launch_one(vendor::stream_t stream, const Params& p, bool backward) {
   constexpr int lanes = Tiling<D>::kLanes;
@@ -39,16 +44,25 @@ std::string launch_one(vendor::stream_t stream, const Params& p, bool backward) 
                      stream, p);
   } else {
     const int group = p.h_q / p.h_kv;
+    const int64_t teams = (p.n + (p.packed ? 1 : 0)) * p.h_kv;
+    if constexpr (KVB * Tiling<D>::kVecs <= 4) {
+      if (group == 1) {  // MHA with few keys: each team pipelines kItems rows
+        constexpr int kItems = 4;
+        constexpr int64_t rows_per_block = kThreads / lanes * kItems;
+        const int64_t blocks = (teams + rows_per_block - 1) / rows_per_block;
+        FUSEDATTN_LAUNCH((small_seq_bwd_mha_kernel<T, D, KVB, kItems>), dim3(static_cast<unsigned>(blocks)),
+                         dim3(kThreads), 0, stream, p);
+        return launch_error();
+      }
+    }
     const int per_block = bwd_teams_per_block(D, group, KVB);
     if (per_block == 0) return "query heads per kv head (" + std::to_string(group) + ") too many for shared memory";
-    const int64_t teams = (p.n + (p.packed ? 1 : 0)) * p.h_kv;
     const int64_t blocks = (teams + per_block - 1) / per_block;
     const size_t shared = per_block * bwd_team_shared_bytes(group, KVB);
     FUSEDATTN_LAUNCH((small_seq_bwd_kernel<T, D, KVB>), dim3(static_cast<unsigned>(blocks)),
                      dim3(per_block * lanes), shared, stream, p, per_block);
   }
-  const vendor::error_t err = vendor::last_error();
-  return err == vendor::kSuccess ? std::string() : std::string("kernel launch failed: ") + vendor::error_string(err);
+  return launch_error();
 }
 
 template <class T, int D>
