@@ -408,10 +408,10 @@ __global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS) 
 // 16-byte vector per lane (d <= 256). There a team's whole key set is one
 // burst of loads followed by compute with nothing in flight, which leaves the
 // memory system idle too often (0.75 of copy bandwidth on H100; 0.96-1.01 with
-// this kernel). So
-// each team walks Items (token, head) rows kPerBlock apart (a block still
-// covers contiguous rows at every step) and loads the next row's k and v
-// while it computes this one, as the chunk loop of the general kernel does.
+// this kernel). So each team walks Items (token, head) rows kPerBlock apart (a
+// block still covers contiguous rows at every step) and loads the next row's
+// k and v while it computes this one, as the chunk loop of the general kernel
+// does.
 // The math, stores and error handling are those of small_seq_bwd_kernel with
 // group == 1.
 template <class T, int D, int KVB, int Items>
