@@ -29,6 +29,13 @@ namespace fusedattn::small_seq {
 #ifndef FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS
 #define FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS 2
 #endif
+// Forward: at most this many 16-byte key (then value) vectors per lane in
+// registers at once; more keys are loaded in chunks. 0: the measured default
+// (benchmarks/tune): 16 with one vector per lane (d <= 256), 8 with two (d 512,
+// where 16 spill and cost 2-4% of bandwidth).
+#ifndef FUSEDATTN_SMALL_SEQ_FWD_ROW_VECS
+#define FUSEDATTN_SMALL_SEQ_FWD_ROW_VECS 0
+#endif
 
 constexpr int kMaxKv = 16;
 constexpr int kThreads = 256;  // per block; a multiple of both warp widths
@@ -181,8 +188,10 @@ template <class T, int D, int KVB>
 __global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_FWD_MIN_BLOCKS) small_seq_fwd_kernel(Params p) {
   using Tile = Tiling<D>;
   constexpr int L = Tile::kLanes, V = Tile::kVecs, E = Tile::kElems;
-  // k (then v) rows all in registers at once while they fit; else in halves.
-  constexpr int kChunk = KVB * V <= 16 ? KVB : KVB / 2;
+  // k (then v) rows all in registers at once while they fit; else in chunks.
+  constexpr int kRowVecs = FUSEDATTN_SMALL_SEQ_FWD_ROW_VECS > 0 ? FUSEDATTN_SMALL_SEQ_FWD_ROW_VECS : (V == 1 ? 16 : 8);
+  constexpr int kChunk = KVB * V <= kRowVecs ? KVB : kRowVecs / V;
+  static_assert(kChunk >= 1 && KVB % kChunk == 0, "FUSEDATTN_SMALL_SEQ_FWD_ROW_VECS: a power of two >= vectors per lane");
   const int lane = threadIdx.x % L;
   const int64_t team = static_cast<int64_t>(blockIdx.x) * (kThreads / L) + threadIdx.x / L;
   const bool active = team < p.n * p.h_q;

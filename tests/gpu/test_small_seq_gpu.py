@@ -1,6 +1,7 @@
 """The small-seq kernels on a GPU against the float64 reference: forward and
 gradients for every head dim x dtype x KV length 1..16 with ragged lengths,
-GQA (h_q 16, h_kv 4), padded and packed keys. Outputs are checked to be fully
+GQA (h_q 16, h_kv 4), padded and packed keys, and MHA with few keys (its own
+backward kernel). Outputs are checked to be fully
 written: the allocator's free memory is poisoned with NaN before each call.
 
 Under compute-sanitizer (the platform allocator, so that an overrun leaves its
@@ -124,6 +125,23 @@ def test_head_groups(h_q, h_kv):
     k, v = (_random(i, (N, 16, h_kv, d), dtype) for i in (13, 14))
     got = _run(q, k, v, d_o, jnp.asarray(lengths), 0.1)
     _check(got, ref.attention(q, k, v, lengths, 0.1, d_o), dtype, f"h{h_q}/{h_kv}")
+
+
+@pytest.mark.parametrize("s_kv", (1, 3, 4))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", (64, 128, 256))
+def test_mha_few_keys(d, dtype, s_kv):
+    """MHA with <= 4 keys takes its own backward kernel (4 rows pipelined per
+    team); an odd row count leaves the last block partly empty."""
+    n, h = N + 5, 8
+    lengths = _lengths(np.random.default_rng(s_kv + d), s_kv, n)
+    q, d_o = (_random(i, (n, 1, h, d), dtype) for i in (25, 26))
+    k, v = (_random(i, (n, s_kv, h, d), dtype) for i in (27, 28))
+    scale = 1.0 / np.sqrt(d)
+    got = _run(q, k, v, d_o, jnp.asarray(lengths), scale)
+    _check(got, ref.attention(q, k, v, lengths, scale, d_o), dtype, f"mha d{d} {dtype} s_kv{s_kv}")
+    slot = np.arange(s_kv)[None, :] >= lengths[:, None]
+    assert np.all(got[2][slot] == 0.0) and np.all(got[3][slot] == 0.0)
 
 
 def test_lse_matches_reference():
