@@ -32,3 +32,8 @@ cmake -S . -B "$build" -G Ninja -DFUSEDATTN_GPU=cuda -DPython_EXECUTABLE="$py" \
 grep "fusedattn:" "$build.configure.log" || true
 cmake --build "$build" -j "$(nproc)"
 ls -la "$build"/_cuda*.so
+# No GPU needed either: cudnn-frontend's own validation of the graphs the handlers
+# build (built-in score_mods included), for sm90 and sm100, through the module just
+# built (tests/test_cudnn_frontend_validate.py).
+FUSEDATTN_CUDA_EXTENSION=$(ls "$build"/_cuda*.so | head -n 1) PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} \
+  "$py" -m pytest -q -rs -p no:cacheprovider tests/test_cudnn_frontend_validate.py

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import fusedattn
-from fusedattn import dispatch
+from fusedattn import dispatch, score_mods
 from fusedattn.backends import cudnn
 from fusedattn.backends.base import AttnInputs
 from fusedattn.config import AttnConfig
@@ -34,6 +34,22 @@ def test_graph_key_carries_every_static_setting():
     assert [fields[f"bias_{n}"] for n in ("b", "h", "sq", "skv")] == ["1", "4", "128", "128"]
     assert float(fields["scale"]) == 0.125 and float(fields["dropout"]) == 0.1
     assert (fields["softmax"], fields["det"], fields["seq"]) == ("2", "1", "0")
+
+
+def test_graph_key_carries_the_builtin_score_mods():
+    def fields(cfg):
+        return dict(item.split("=") for item in cudnn.graph_key(cfg).split(";"))
+    plain = fields(BASE)
+    assert (plain["alibi"], float(plain["softcap"])) == ("0", 0.0)
+    alibi = fields(dataclasses.replace(BASE, mask="causal", score_mod=score_mods.alibi(4)))
+    assert (alibi["alibi"], float(alibi["softcap"])) == ("1", 0.0)
+    capped = fields(dataclasses.replace(BASE, score_mod=score_mods.softcap(30.25)))
+    assert (capped["alibi"], float(capped["softcap"])) == ("0", 30.25)
+    # equal score_mods give equal keys (one graph cache entry), different ones do not
+    assert cudnn.graph_key(dataclasses.replace(BASE, score_mod=score_mods.softcap(30))) == \
+        cudnn.graph_key(dataclasses.replace(BASE, score_mod=score_mods.softcap(30.0)))
+    assert cudnn.graph_key(dataclasses.replace(BASE, score_mod=score_mods.softcap(30.0))) != \
+        cudnn.graph_key(dataclasses.replace(BASE, score_mod=score_mods.softcap(30.000001)))
 
 
 def test_graph_keys_differ_for_different_configs():
@@ -70,6 +86,52 @@ def test_supported_shapes_have_no_python_side_reason():
                    dict(sequence="packed", max_segments=4), dict(bias_shape=(2, 4, 128, 128)),
                    dict(softmax="off_by_one"), dict(dropout=0.2), dict(d_qk=256, d_v=256)):
         assert cudnn.config_reason(dataclasses.replace(BASE, **change)) is None, change
+
+
+ALIBI = score_mods.alibi(4)
+SOFTCAP = score_mods.softcap(20.0)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (dict(score_mod=score_mods.alibi(8), mask="causal"), "num_heads must equal h_q"),
+    (dict(score_mod=ALIBI, mask="causal_bottom_right"), "top-left"),
+    (dict(score_mod=ALIBI), "right bound 0"),
+    (dict(score_mod=ALIBI, window=(16, 4)), "right bound 0"),
+    (dict(score_mod=ALIBI, window=(16, -1)), "right bound 0"),
+    (dict(score_mod=ALIBI, mask="causal", score_mod_arg_specs=(((4,), "float32"),)),
+     "takes no score_mod_args"),
+    (dict(score_mod=SOFTCAP, mask="causal"), "softcap with a causal mask or window"),
+    (dict(score_mod=SOFTCAP, window=(16, 16)), "softcap with a causal mask or window"),
+    (dict(score_mod=SOFTCAP, sequence="padding"), "softcap with padding sequences"),
+    (dict(score_mod=SOFTCAP, sequence="packed", max_segments=2), "softcap with packed sequences"),
+    (dict(score_mod=SOFTCAP, bias_shape=(1, 4, 128, 128)), "before the bias"),
+    (dict(score_mod=lambda s, b, h, i, j: 20.0 * jnp.tanh(s / 20.0)), "not lowered"),
+])
+def test_score_mod_reasons(change, fragment):
+    reason = cudnn.config_reason(dataclasses.replace(BASE, **change))
+    assert reason is not None and fragment in reason, reason
+
+
+def test_builtin_score_mods_have_no_python_side_reason():
+    for change in (dict(mask="causal"), dict(mask="causal", sequence="padding"),
+                   dict(mask="causal", sequence="packed", max_segments=3),
+                   dict(mask="causal", h_q=8, h_kv=2, score_mod=score_mods.alibi(8)),
+                   dict(mask="causal", bias_shape=(2, 4, 128, 128)), dict(window=(32, 0)),
+                   dict(mask="causal", window=(32, 0), dropout=0.1, softmax="learnable")):
+        cfg = dataclasses.replace(BASE, **{"score_mod": ALIBI, **change})
+        assert cudnn.config_reason(cfg) is None, change
+    for change in ({}, dict(softmax="learnable"), dict(dropout=0.1), dict(h_q=8, h_kv=1),
+                   dict(s_q=64, dtype="float16", d_qk=128, d_v=128)):
+        assert cudnn.config_reason(dataclasses.replace(BASE, score_mod=SOFTCAP, **change)) is None
+
+
+def test_alibi_graphs_go_through_the_targets_xla_does_not_capture():
+    alibi = dataclasses.replace(BASE, mask="causal", score_mod=ALIBI)
+    assumed = cudnn.Probe(True, "assumed", (0, 0, 0))
+    assert cudnn.host_copies(alibi, assumed) == (True, True, True)  # from the config alone
+    assert cudnn.host_copies(BASE, assumed) == (False, False, False)
+    told = cudnn.Probe(True, "", (0, 0, 0), host_copies=(False, False, True))
+    assert cudnn.host_copies(BASE, told) == (False, False, True)  # and from the probe
 
 
 def test_version_gates_are_applied_from_the_table():
@@ -147,6 +209,27 @@ def test_forward_and_backward_lower_for_cuda_without_a_gpu(cuda_lowering, option
     assert "fusedattn_cudnn_fwd" in both and "fusedattn_cudnn_bwd" in both
     # the workspace is an extra result of the size the probe reported
     assert re.search(r"tensor<4096xui8>", both)
+
+
+@pytest.mark.parametrize("score_mod, mask, nocmdbuf", [
+    (score_mods.alibi(4), "causal", True),
+    (score_mods.softcap(20.0), "none", False),
+])
+def test_builtin_score_mods_lower_for_cuda(cuda_lowering, score_mod, mask, nocmdbuf):
+    """ALiBi lowers to the fusedattn_cudnn_*_nocmdbuf targets (its execute copies the
+    slopes from host memory), softcap to the command-buffer ones; both to cuDNN."""
+    q = jnp.ones((2, 64, 4, 64), jnp.bfloat16)
+    k = v = jnp.ones((2, 64, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = fusedattn.fused_attn(q, k, v, mask=mask, score_mod=score_mod, backend="cudnn")
+        return jnp.sum(out.astype(jnp.float32))
+
+    text = _lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    targets = set(re.findall(r"custom_call @(fusedattn_cudnn_[a-z_]+)", text))
+    suffix = "_nocmdbuf" if nocmdbuf else ""
+    assert targets == {"fusedattn_cudnn_fwd" + suffix, "fusedattn_cudnn_bwd" + suffix}, targets
+    assert f"alibi={int(nocmdbuf)}" in text  # the key the handlers parse
 
 
 def test_packed_qkv_goes_in_as_one_buffer(cuda_lowering):

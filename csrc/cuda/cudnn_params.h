@@ -37,12 +37,16 @@ struct AttnParams {
   Sequence sequence = Sequence::kDense;
   int64_t segments = 1;  // packed: segments per row
   bool deterministic = false;
+  // Built-in score_mods (src/fusedattn/score_mods.py) lowered to cuDNN:
+  bool alibi = false;    // ALiBi with cuDNN's slopes for hq heads (set_alibi_mask)
+  float softcap = 0.f;   // > 0: cap * tanh(s / cap) (score_mod + its backward)
 
   bool has_bias() const { return bias_dims[0] != 0; }
   bool has_dropout() const { return dropout > 0.f; }
   bool has_sink() const { return softmax != Softmax::kVanilla; }
   bool learnable_sink() const { return softmax == Softmax::kLearnable; }
   bool has_seq_lens() const { return sequence != Sequence::kDense; }
+  bool has_softcap() const { return softcap > 0.f; }
   bool packed() const { return sequence == Sequence::kPacked; }
   // Sequences cuDNN sees: one per row, or one per segment of a packed row.
   int64_t batch() const { return packed() ? b * segments : b; }
@@ -86,8 +90,12 @@ inline AttnParams parse_params(std::string_view key) {
   p.sequence = static_cast<Sequence>(i64("seq"));
   p.segments = i64("segs");
   p.deterministic = i64("det") != 0;
+  p.alibi = i64("alibi") != 0;
+  p.softcap = f32("softcap");
   if (p.b <= 0 || p.sq <= 0 || p.skv <= 0 || p.hq <= 0 || p.hkv <= 0 || p.dqk <= 0 || p.dv <= 0)
     throw std::invalid_argument("cudnn attention key has a non-positive dimension");
+  if (!(p.softcap >= 0.f))  // also rejects NaN
+    throw std::invalid_argument("cudnn attention key has a negative or NaN softcap");
   return p;
 }
 

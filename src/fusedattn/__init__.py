@@ -1,4 +1,5 @@
 """fusedattn: fused attention for JAX on NVIDIA and AMD GPUs, with a portable XLA backend."""
+from . import score_mods
 from .api import explain, fused_attn
 from .config import AttnConfig
 from .dispatch import Plan, UnsupportedError
@@ -6,5 +7,5 @@ from .sequence import SequenceDescriptor
 from .small_seq_api import fused_attn_small_seq
 
 __all__ = ["fused_attn", "fused_attn_small_seq", "explain", "AttnConfig", "Plan",
-           "SequenceDescriptor", "UnsupportedError"]
+           "SequenceDescriptor", "UnsupportedError", "score_mods"]
 __version__ = "0.1.0"

@@ -66,7 +66,9 @@ class AttnConfig:
     # ragged (small-seq packed keys; s_kv is then the bound on keys per sequence).
     sequence: str = "dense"
     max_segments: int = 1
-    # score_mod is compared by identity; its extra arguments by shape/dtype.
+    # score_mod is compared with ==: a function by identity, a built-in score_mod
+    # (fusedattn.score_mods: frozen dataclasses) by value; its extra arguments by
+    # shape/dtype.
     score_mod: Optional[Callable] = dataclasses.field(default=None, compare=True)
     score_mod_arg_specs: Tuple[Tuple[Tuple[int, ...], str], ...] = ()
     deterministic: bool = False

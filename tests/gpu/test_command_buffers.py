@@ -9,6 +9,11 @@ XLA backend. What this cannot show: that XLA did capture our call. In JAX
 0.11's XLA, command buffers are formed on the thunk sequence, after the
 optimised HLO, so the HLO text does not show them (seen on the H100,
 2026-11-22); a handler XLA declined to capture would also pass.
+
+cuDNN graphs with ALiBi copy their slopes from host memory on every execute, so
+they go through targets without the command-buffer trait (XLA runs them between
+command buffers); their case checks that such a step, with command buffers on
+for everything else, runs, replays identically and matches XLA.
 """
 import json
 import os
@@ -25,6 +30,8 @@ CHILD = textwrap.dedent(r"""
     import jax, jax.numpy as jnp, numpy as np
     import fusedattn
     backend, shape_q, shape_kv, target = sys.argv[1], eval(sys.argv[2]), eval(sys.argv[3]), sys.argv[4]
+    alibi = fusedattn.score_mods.alibi(shape_q[2])
+    options = {"none": {}, "alibi": dict(mask="causal", score_mod=alibi)}[sys.argv[5]]
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(keys[0], shape_q, jnp.bfloat16)
     k = jax.random.normal(keys[1], shape_kv, jnp.bfloat16)
@@ -32,7 +39,7 @@ CHILD = textwrap.dedent(r"""
 
     def step(q, k, v, backend):
         def loss(q, k, v):
-            out = fusedattn.fused_attn(q, k, v, backend=backend)
+            out = fusedattn.fused_attn(q, k, v, backend=backend, **options)
             return jnp.sum(out.astype(jnp.float32) ** 2)
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -48,15 +55,17 @@ CHILD = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.parametrize("backend,shape_q,shape_kv,target", [
-    ("cudnn", (2, 256, 8, 64), (2, 256, 8, 64), "fusedattn_cudnn"),
-    ("small_seq", (1024, 1, 8, 128), (1024, 16, 8, 128), "fusedattn_small_seq"),
+@pytest.mark.parametrize("backend,shape_q,shape_kv,target,options", [
+    ("cudnn", (2, 256, 8, 64), (2, 256, 8, 64), "fusedattn_cudnn", "none"),
+    ("cudnn", (2, 256, 8, 64), (2, 256, 2, 64), "fusedattn_cudnn_fwd_nocmdbuf", "alibi"),
+    ("small_seq", (1024, 1, 8, 128), (1024, 16, 8, 128), "fusedattn_small_seq", "none"),
 ])
-def test_handlers_with_command_buffers_on(backend, shape_q, shape_kv, target):
+def test_handlers_with_command_buffers_on(backend, shape_q, shape_kv, target, options):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
                         " --xla_gpu_graph_min_graph_size=1").strip()
-    proc = subprocess.run([sys.executable, "-c", CHILD, backend, repr(shape_q), repr(shape_kv), target],
+    proc = subprocess.run([sys.executable, "-c", CHILD, backend, repr(shape_q), repr(shape_kv), target,
+                           options],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,9 +1,11 @@
 """The cuDNN backend on a CUDA GPU: forward, LSE and every gradient against the
 project's float64 oracle (tests/oracle.py, through tests/attn_cases.py) and
 against the XLA backend, over masks x padding / packing x window x bias x
-softmax variants x GQA x head dims x dtypes x layouts; padded positions
-exactly 0; deterministic backward bitwise repeatable; dropout's forward and
-backward masks agree; explain() reasons.
+softmax variants x GQA x head dims x dtypes x layouts x the built-in score_mods
+(ALiBi, soft-capping); padded positions exactly 0; deterministic backward bitwise
+repeatable; dropout's forward and backward masks agree; explain() reasons; the
+support probe (its three graphs built at once, one builder per cache entry,
+handles pooled).
 
 The backend under test is FUSEDATTN_TEST_BACKEND (default "cudnn"). To check
 the harness itself on a machine without a GPU, run the tests marked
@@ -13,6 +15,7 @@ the harness itself on a machine without a GPU, run the tests marked
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import re
@@ -24,7 +27,7 @@ import pytest
 
 import attn_cases as ac
 import fusedattn
-from fusedattn import dispatch
+from fusedattn import dispatch, score_mods
 from fusedattn.backends import cudnn, native
 from fusedattn.config import AttnConfig
 from fusedattn.sequence import SequenceDescriptor
@@ -77,7 +80,22 @@ CASES = [
     _case("bs3hd", layout="bs3hd", mask="causal"),
     _case("bshd-bs2hd-gqa", layout="bshd_bs2hd", h_q=8, h_kv=2),
     _case("deterministic-bias", deterministic=True, bias=(False, True), mask="causal"),
+    # built-in score_mods, lowered to cuDNN's ALiBi mask and soft-capping score_mod
+    _case("alibi-causal", mask="causal", score_mod=score_mods.alibi(4)),
+    _case("alibi-causal-padding", mask="causal", sequence="padding",
+          score_mod=score_mods.alibi(4)),
+    _case("alibi-gqa-8/2-causal-d128", h_q=8, h_kv=2, d_qk=128, d_v=128, mask="causal",
+          score_mod=score_mods.alibi(8)),
+    _case("alibi-packed-causal-fp16", sequence="packed", mask="causal", dtype="float16",
+          score_mod=score_mods.alibi(4)),
+    _case("alibi-window-bias", window=(48, 0), bias=(False, True), score_mod=score_mods.alibi(4)),
+    _case("softcap", score_mod=score_mods.softcap(2.0), scale=1.0),
+    _case("softcap-gqa-8/2-fp16-d128", h_q=8, h_kv=2, d_qk=128, d_v=128, dtype="float16",
+          score_mod=score_mods.softcap(2.0), scale=0.25),
+    _case("softcap-learnable-sq<skv", s_q=64, softmax="learnable",
+          score_mod=score_mods.softcap(2.0), scale=1.0),
 ]
+SCORE_MOD_CASES = [p for p in CASES if p.values[0].score_mod is not None]
 
 
 def _sequence(case: ac.Case, rng: np.random.Generator):
@@ -162,6 +180,19 @@ def test_against_float64_reference_and_xla(case: ac.Case, deterministic: bool):
 
 
 @harness_on_cpu
+@pytest.mark.parametrize("case,deterministic", SCORE_MOD_CASES)
+def test_builtin_score_mods_are_applied(case: ac.Case, deterministic: bool):
+    """The backend's output is far from what attention without the score_mod gives,
+    so the comparisons above would catch a backend that dropped it."""
+    built = _build(case)
+    plain = ac.oracle_for(ac.build(dataclasses.replace(case, score_mod=None), sequence=_sequence))
+    out = _run(built, deterministic)[0]
+    tol = ac.TOLERANCE[case.dtype]
+    assert ac.rel_error(out, ac.oracle_for(built).out) < tol
+    assert ac.rel_error(out, plain.out) > 2 * tol
+
+
+@harness_on_cpu
 def test_deterministic_backward_is_bitwise_repeatable():
     case = ac.Case(b=2, s_q=512, s_kv=512, h_q=8, h_kv=2, d_qk=128, d_v=128, dtype="bfloat16",
                    mask="causal", seed=3)
@@ -205,6 +236,87 @@ def test_explain_names_cudnn_or_gives_the_frontend_reason():
     reason = dict(plan.reasons)["cudnn"]
     assert plan.chosen != "cudnn" and reason.startswith("cuDNN:"), str(plan)
     assert "8" in reason, reason
+
+
+def test_explain_names_cudnn_for_the_builtin_score_mods():
+    q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+    for options in (dict(mask="causal", score_mod=score_mods.alibi(8)),
+                    dict(mask="causal", window=(64, 0), score_mod=score_mods.alibi(8)),
+                    dict(score_mod=score_mods.softcap(30.0))):
+        plan = fusedattn.explain(q, kv, kv, **options)
+        assert plan.chosen == "cudnn", str(plan)
+    # what cuDNN cannot do falls back to XLA, with the reason
+    for options, fragment in ((dict(mask="causal", score_mod=score_mods.softcap(30.0)), "softcap"),
+                              (dict(mask="causal_bottom_right", score_mod=score_mods.alibi(8)),
+                               "top-left"),
+                              (dict(score_mod=lambda s, b, h, i, j: s), "not lowered")):
+        plan = fusedattn.explain(q, kv, kv, **options)
+        assert plan.chosen == "xla" and fragment in dict(plan.reasons)["cudnn"], str(plan)
+
+
+def test_alibi_graphs_copy_from_host_and_avoid_command_buffers():
+    """The probe sees ALiBi's host-to-device slope copies (and none elsewhere), and the
+    calls lower to the targets XLA does not capture."""
+    base = AttnConfig(batch=2, s_q=256, s_kv=256, h_q=8, h_kv=8, d_qk=64, d_v=64,
+                      dtype="bfloat16", scale=0.125, mask="causal")
+    with_alibi = dataclasses.replace(base, score_mod=score_mods.alibi(8))
+    assert cudnn.probe(with_alibi).host_copies == (True, True, True)
+    assert cudnn.probe(base).host_copies == (False, False, False)
+    assert cudnn.probe(dataclasses.replace(base, mask="none", score_mod=score_mods.softcap(8.0))
+                       ).host_copies == (False, False, False)
+    q = jnp.ones((2, 256, 8, 64), jnp.bfloat16)
+
+    def loss(q):
+        out = fusedattn.fused_attn(q, q, q, mask="causal", score_mod=score_mods.alibi(8))
+        return jnp.sum(out.astype(jnp.float32))
+    text = jax.jit(jax.grad(loss)).lower(q).as_text()
+    assert "fusedattn_cudnn_fwd_nocmdbuf" in text and "fusedattn_cudnn_bwd_nocmdbuf" in text
+    assert "@fusedattn_cudnn_fwd(" not in text and "@fusedattn_cudnn_bwd(" not in text
+
+
+def _fresh_config(n: int) -> AttnConfig:
+    """A config no other test builds (an odd scale makes the key unique)."""
+    return AttnConfig(batch=2, s_q=1024, s_kv=1024, h_q=8, h_kv=8, d_qk=128, d_v=128,
+                      dtype="bfloat16", scale=0.0883 + n * 1e-7, mask="causal")
+
+
+def test_probe_builds_its_three_graphs_at_once():
+    found = cudnn.probe(_fresh_config(1))
+    assert found.ok, found.message
+    slowest, total = max(found.build_seconds), sum(found.build_seconds)
+    assert all(t > 0 for t in found.build_seconds), found
+    # concurrent builds: the probe took about the slowest graph, not the sum of all three
+    assert slowest <= found.wall_seconds + 1e-3 and found.wall_seconds < total, found
+
+
+def test_one_builder_per_graph_and_a_bounded_number_of_handles():
+    """Four threads probe one fresh key at once: each of its three graphs is built once
+    (the cache grows by exactly 3), all threads get the same answer, and the handles
+    stay pooled: short-lived build threads leave none behind."""
+    import threading
+    module = native.module("cuda")
+    device = jax.devices()[0].id
+    before_cache, before_handles = module.cudnn_cache_size(), module.cudnn_handle_count(device)
+    key = cudnn.graph_key(_fresh_config(2))
+    results = [None] * 4
+
+    def probe(i):
+        results[i] = module.cudnn_check_support(key)
+    threads = [threading.Thread(target=probe, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r["ok"] for r in results), results
+    assert len({tuple(sorted(r["workspace"].items())) for r in results}) == 1
+    assert module.cudnn_cache_size() == before_cache + 3
+    # more fresh configs, one after another: no handle per build thread
+    for n in range(3, 8):
+        assert cudnn.probe(_fresh_config(n)).ok
+    # at most 3 builds ran at once after the 4 threads' probes (4 threads x 3 graphs,
+    # but one builder per graph; the others wait without a handle)
+    assert module.cudnn_handle_count(device) <= max(before_handles, 3)
 
 
 def test_one_libcudnn_in_the_process():

@@ -8,6 +8,16 @@ workspace sizes the FFI calls need are known at trace time. The arrays go in
 as the user laid them out: bshd / sbhd and packed qkv / kv through strides,
 packed (THD) rows through ragged offsets computed here with JAX, so nothing
 in lowering needs a GPU (see `assume_supported` for lowering on a CPU host).
+
+score_mods: the built-in ones of `fusedattn.score_mods` are lowered to cuDNN's
+own operations (`alibi` to the frontend's ALiBi mask, `softcap` to its
+soft-capping score_mod); `score_mod_reason` says which combinations cuDNN
+cannot run. Any other score_mod falls back to the XLA backend.
+
+Graphs with ALiBi copy their slopes from host memory into the workspace on
+every execute; they run through FFI targets that do not declare XLA's
+command-buffer trait (csrc/cuda/cudnn_attention.cc explains why), chosen from
+the probe's `host_copies`.
 """
 from __future__ import annotations
 
@@ -22,11 +32,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import AttnConfig
+from ..score_mods import Alibi, SoftCap
 from . import native
 from .base import AttnInputs
 
 TARGET_FWD = "fusedattn_cudnn_fwd"
 TARGET_BWD = "fusedattn_cudnn_bwd"
+# The same handlers without the command-buffer trait, for graphs whose execute
+# copies from host memory (ALiBi slopes): XLA never captures them.
+TARGET_FWD_NOCMDBUF = "fusedattn_cudnn_fwd_nocmdbuf"
+TARGET_BWD_NOCMDBUF = "fusedattn_cudnn_bwd_nocmdbuf"
+TARGETS = (TARGET_FWD, TARGET_BWD, TARGET_FWD_NOCMDBUF, TARGET_BWD_NOCMDBUF)
 DTYPES = ("bfloat16", "float16")
 _INT32_MAX = 2**31 - 1
 
@@ -66,6 +82,8 @@ def graph_key(config: AttnConfig) -> str:
         ("seq", _CODES["sequence"][config.sequence]),
         ("segs", config.max_segments if config.is_packed else 1),
         ("det", int(config.deterministic)),
+        ("alibi", int(isinstance(config.score_mod, Alibi))),
+        ("softcap", repr(config.score_mod.cap if isinstance(config.score_mod, SoftCap) else 0.0)),
     )
     return ";".join(f"{name}={value}" for name, value in fields)
 
@@ -74,8 +92,9 @@ def config_reason(config: AttnConfig) -> Optional[str]:
     """What this backend cannot do, decided from the config alone (None: ask cuDNN)."""
     if config.dtype not in DTYPES:
         return f"dtype {config.dtype}: cuDNN fused attention here is {'/'.join(DTYPES)} only"
-    if config.score_mod is not None:
-        return "score_mod is not lowered to cuDNN graph operations (the XLA backend runs it)"
+    why = score_mod_reason(config)
+    if why is not None:
+        return why
     if config.sequence not in _CODES["sequence"]:
         return f"sequence kind {config.sequence!r} is served by the small_seq backend"
     if config.is_packed and config.layout != "bshd":
@@ -92,6 +111,46 @@ def config_reason(config: AttnConfig) -> Optional[str]:
     return None
 
 
+def score_mod_reason(config: AttnConfig) -> Optional[str]:
+    """Why cuDNN cannot run this config's score_mod (None: no score_mod, or one it runs).
+
+    The rules for the built-in score_mods mirror cudnn-frontend's own checks
+    (sdpa_support_surface.h and the backward node, frontend 1.32), so the answer
+    comes without building a graph and reads in fusedattn's terms; the probe
+    would refuse the same configs with the frontend's message.
+    """
+    mod = config.score_mod
+    if mod is None:
+        return None
+    if isinstance(mod, (Alibi, SoftCap)) and config.score_mod_arg_specs:
+        return f"{mod.__name__} takes no score_mod_args, got {len(config.score_mod_arg_specs)}"
+    if isinstance(mod, Alibi):
+        if mod.num_heads != config.h_q:
+            return (f"alibi(num_heads={mod.num_heads}) with h_q={config.h_q}: cuDNN computes the "
+                    f"ALiBi slopes for the query heads, so num_heads must equal h_q")
+        if config.mask == "causal_bottom_right":
+            return ("ALiBi with mask='causal_bottom_right': cuDNN supports ALiBi only with "
+                    "top-left causal masking (mask='causal')")
+        if config.window_bounds()[1] != 0:
+            return ("ALiBi without a causal mask: cuDNN supports ALiBi only with the diagonal "
+                    "band's right bound 0 (mask='causal', or window=(left, 0))")
+        return None
+    if isinstance(mod, SoftCap):
+        if config.causal or config.window is not None:
+            return ("softcap with a causal mask or window: cuDNN runs a score_mod only without "
+                    "its masks (cudnn-frontend: 'score mod enabled and hence other subgraphs "
+                    "are disabled')")
+        if config.sequence != "dense":
+            return (f"softcap with {config.sequence} sequences: cuDNN runs a score_mod only "
+                    f"without its padding mask")
+        if config.has_bias:
+            return ("softcap with bias: cuDNN applies a score_mod before the bias, fusedattn's "
+                    "contract applies it after (to scale * q.k + bias)")
+        return None
+    return ("score_mod is not lowered to cuDNN graph operations (only fusedattn.score_mods' "
+            "alibi and softcap are; the XLA backend runs any score_mod)")
+
+
 def version_reason(config: AttnConfig, cudnn_version: Optional[int]) -> Optional[str]:
     """The first VERSION_GATES entry the runtime cuDNN fails for this config."""
     if cudnn_version is None:
@@ -104,12 +163,23 @@ def version_reason(config: AttnConfig, cudnn_version: Optional[int]) -> Optional
 
 
 # ---- the support probe --------------------------------------------------------------
+GRAPHS = ("forward_inference", "forward_training", "backward")
+
+
 @dataclasses.dataclass(frozen=True)
 class Probe:
+    """What building a config's three graphs (in the order of `GRAPHS`) said."""
     ok: bool
     message: str
-    workspace: Tuple[int, int, int] = (0, 0, 0)  # inference forward, training forward, backward
-    build_seconds: float = 0.0
+    workspace: Tuple[int, int, int] = (0, 0, 0)
+    # Seconds each graph took to build (when it was built), and the wall time of the
+    # probe that built them: the three build concurrently, so it is about the
+    # slowest one, not the sum.
+    build_seconds: Tuple[float, float, float] = (0.0, 0.0, 0.0)
+    wall_seconds: float = 0.0
+    # Whether the graph's execute copies from host memory (ALiBi slopes): such
+    # graphs go through the targets XLA does not capture into command buffers.
+    host_copies: Tuple[bool, bool, bool] = (False, False, False)
 
 
 _probe_lock = threading.Lock()
@@ -121,7 +191,8 @@ _assumed: Optional[Probe] = None  # set by assume_supported()
 def assume_supported(workspace_bytes: int = 0):
     """Skip the native probe: every config passing `config_reason` counts as supported,
     with this workspace size. For lowering / `jax.export` on a host without a GPU;
-    a call run with too small a workspace fails with an FFI error saying so."""
+    a call run with too small a workspace fails with an FFI error saying so. Which
+    graphs copy from host memory is then decided from the config (ALiBi)."""
     global _assumed
     previous = _assumed
     _assumed = Probe(True, "assumed", (workspace_bytes,) * 3)
@@ -132,7 +203,7 @@ def assume_supported(workspace_bytes: int = 0):
 
 
 def probe(config: AttnConfig) -> Probe:
-    """Build (or find) the config's three cuDNN graphs; cached per key."""
+    """Build (or find) the config's three cuDNN graphs, concurrently; cached per key."""
     if _assumed is not None:
         return _assumed
     key = graph_key(config)
@@ -142,17 +213,25 @@ def probe(config: AttnConfig) -> Probe:
     with _probe_lock:
         found = _probes.get(key)
         if found is None:
-            why = native.ensure_targets((TARGET_FWD, TARGET_BWD), "cuda")
+            why = native.ensure_targets(TARGETS, "cuda")
             if why is not None:  # not cached: the extension may load later
                 return Probe(False, why)
             r = native.module("cuda").cudnn_check_support(key)
-            ws = r.get("workspace", {})
-            found = Probe(bool(r["ok"]), r["message"],
-                          (ws.get("forward_inference", 0), ws.get("forward_training", 0),
-                           ws.get("backward", 0)),
-                          float(sum(r.get("build_seconds", {}).values())))
+
+            def per_graph(field, default):
+                return tuple(type(default)(r.get(field, {}).get(g, default)) for g in GRAPHS)
+            found = Probe(bool(r["ok"]), r["message"], per_graph("workspace", 0),
+                          per_graph("build_seconds", 0.0), float(r.get("wall_seconds", 0.0)),
+                          per_graph("host_copies", False))
             _probes[key] = found
     return found
+
+
+def host_copies(config: AttnConfig, found: Probe) -> Tuple[bool, bool, bool]:
+    """Per graph: does its execute copy from host memory? The probe's answer, and
+    always for ALiBi (whose slopes are copied), so an assumed probe errs safe."""
+    alibi = isinstance(config.score_mod, Alibi)
+    return tuple(bool(c) or alibi for c in found.host_copies)
 
 
 class _CudnnBackend:
@@ -182,6 +261,8 @@ class _Static:
     config: AttnConfig
     key: str
     workspace: Tuple[int, int, int]
+    # FFI target per graph (inference forward, training forward, backward).
+    targets: Tuple[str, str, str] = (TARGET_FWD, TARGET_FWD, TARGET_BWD)
 
 
 def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool = True):
@@ -190,7 +271,13 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
     why = BACKEND.supports(config)
     if why is not None:
         raise ValueError(f"cudnn backend cannot run {config.short()}: {why}")
-    static = _Static(config, graph_key(config), probe(config).workspace)
+    found = probe(config)
+    copies = host_copies(config, found)
+    targets = tuple(
+        (TARGET_BWD_NOCMDBUF if copy else TARGET_BWD) if graph == "backward"
+        else (TARGET_FWD_NOCMDBUF if copy else TARGET_FWD)
+        for graph, copy in zip(GRAPHS, copies))
+    static = _Static(config, graph_key(config), found.workspace, targets)
     q, k, v = inputs.q, inputs.k, inputs.v  # raw buffers: packing handled by strides
     dtype = q.dtype
     bias = None if inputs.bias is None else inputs.bias.astype(dtype)
@@ -270,6 +357,9 @@ def _lse(config: AttnConfig, stats):
 
 
 def _workspace(nbytes: int):
+    """The workspace output: the probe's size, cudnn-frontend's get_workspace_size,
+    which counts the frontend's own part too (ALiBi slopes, copied to its start on
+    every execute; cuDNN's plan uses what follows)."""
     return jax.ShapeDtypeStruct((max(int(nbytes), 1),), jnp.uint8)
 
 
@@ -284,7 +374,8 @@ def _forward_call(static: _Static, diff, aux, training: bool):
     if training:
         results.append(jax.ShapeDtypeStruct(_stats_shape(cfg), jnp.float32))
     results.append(_workspace(static.workspace[1 if training else 0]))
-    outs = jax.ffi.ffi_call(TARGET_FWD, tuple(results), vmap_method="sequential")(
+    target = static.targets[1 if training else 0]
+    outs = jax.ffi.ffi_call(target, tuple(results), vmap_method="sequential")(
         *args, key=static.key, training=np.int64(training))
     return outs[0], (outs[1] if training else None)
 
@@ -303,7 +394,7 @@ def _backward_call(static: _Static, diff, aux, o, lse, d_o):
     if cfg.softmax == "learnable":
         results.append(jax.ShapeDtypeStruct((cfg.h_q,), jnp.float32))
     results.append(_workspace(static.workspace[2]))
-    outs = list(jax.ffi.ffi_call(TARGET_BWD, tuple(results), vmap_method="sequential")(
+    outs = list(jax.ffi.ffi_call(static.targets[2], tuple(results), vmap_method="sequential")(
         *args, key=static.key))
     grads = iter(outs[:len(buffers)])
     d_q, d_k, d_v = (next(grads) if x is not None else None for x in (q, k, v))
@@ -321,7 +412,7 @@ def _backward_call(static: _Static, diff, aux, o, lse, d_o):
 def _register():
     """FFI targets on first use; on a host without the extension (lowering only) a no-op."""
     if native.gpu_platform() == "cuda":
-        native.ensure_targets((TARGET_FWD, TARGET_BWD), "cuda")
+        native.ensure_targets(TARGETS, "cuda")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -1,0 +1,103 @@
+"""Built-in score_mods: ALiBi and soft-capping.
+
+Each is an ordinary score_mod, ``f(score, batch, head, q_idx, kv_idx) -> score``,
+so every backend that runs score_mods (the XLA backend, the float64 oracle in
+tests) runs it as written. They are also frozen dataclasses, hashable and
+compared by value: two ``alibi(16)`` instances are equal, so configs that use
+them share plans, graph caches and jit caches, and the cuDNN backend recognises
+them and lowers them to cuDNN's own graph operations instead of refusing a
+score_mod it cannot trace (``backends/cudnn.py`` says when it cannot).
+
+    out = fusedattn.fused_attn(q, k, v, mask="causal", score_mod=score_mods.alibi(h_q))
+    out = fusedattn.fused_attn(q, k, v, score_mod=score_mods.softcap(30.0))
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Alibi", "SoftCap", "alibi", "alibi_slopes", "softcap"]
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The standard ALiBi slopes, float32 ``[num_heads]``, as cuDNN computes them.
+
+    With ``n`` the largest power of two ``<= num_heads``: head ``i < n`` gets
+    ``2 ** (-8 (i + 1) / n)``; the remaining heads ``n + k`` (``k = 0, 1, ...``) get
+    ``2 ** (-4 (2k + 1) / n)``, i.e. the odd-numbered slopes of the ``2n``-head
+    sequence. This is cudnn-frontend's ``detail::get_alibi_slope``
+    (cudnn_frontend_utils.h), whose slopes cuDNN copies into the workspace at
+    execute. The exponents are exact in float32 (``n`` is a power of two); the
+    powers here are computed in float64 and rounded once to float32 (correctly
+    rounded), which is what glibc's ``powf`` returns for them: the values are
+    bitwise those of the frontend's function (checked for 1 to 128 heads).
+    """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"alibi num_heads must be a positive int, got {num_heads!r}")
+    h = int(num_heads)
+    n = 1 << (h.bit_length() - 1)  # largest power of two <= h
+    exponents = [-8.0 * (i + 1) / n for i in range(n)]
+    exponents += [-4.0 * (2 * k + 1) / n for k in range(h - n)]
+    return np.asarray([2.0 ** e for e in exponents], np.float64).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Alibi:
+    """``score + slope[head] * (kv_idx - q_idx)`` with `alibi_slopes(num_heads)`.
+
+    Positions are inside the sequence (for packed rows: inside the segment), as
+    for every score_mod. Under a causal mask ``kv_idx <= q_idx``, so the term is a
+    penalty growing linearly with distance. ``num_heads`` must equal the query
+    head count of the call (the slopes are per query head).
+    """
+    num_heads: int
+
+    def __post_init__(self):
+        alibi_slopes(self.num_heads)  # validates
+        object.__setattr__(self, "num_heads", int(self.num_heads))
+
+    @property
+    def __name__(self) -> str:  # what config.short() and test ids print
+        return f"alibi{self.num_heads}"
+
+    def slopes(self) -> np.ndarray:
+        return alibi_slopes(self.num_heads)
+
+    def __call__(self, score, batch, head, q_idx, kv_idx):
+        slopes = jnp.asarray(self.slopes()).astype(score.dtype)
+        distance = (jnp.asarray(kv_idx) - jnp.asarray(q_idx)).astype(score.dtype)
+        return score + slopes[head] * distance
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftCap:
+    """``cap * tanh(score / cap)``: logits squashed smoothly into ``(-cap, cap)``."""
+    cap: float
+
+    def __post_init__(self):
+        cap = self.cap
+        if isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(cap) or cap <= 0:
+            raise ValueError(f"softcap cap must be a finite positive number, got {cap!r}")
+        object.__setattr__(self, "cap", float(cap))
+
+    @property
+    def __name__(self) -> str:
+        return f"softcap{self.cap:g}"
+
+    def __call__(self, score, batch, head, q_idx, kv_idx):
+        cap = jnp.asarray(self.cap, score.dtype)
+        return cap * jnp.tanh(score / cap)
+
+
+def alibi(num_heads: int) -> Alibi:
+    """The ALiBi score_mod for `num_heads` query heads (see `Alibi`)."""
+    return Alibi(num_heads)
+
+
+def softcap(cap: float) -> SoftCap:
+    """The soft-capping score_mod ``cap * tanh(score / cap)`` (see `SoftCap`)."""
+    return SoftCap(cap)

@@ -1,0 +1,123 @@
+"""cudnn-frontend's own validation of the graphs we build, without a GPU.
+
+The compiled CUDA extension's `cudnn_validate_graphs(key, sm_version)` builds the
+three graphs of a config key exactly as the handlers do (csrc/cuda/cudnn_attention.cc,
+`make_graph`) and runs only the frontend's validation for that architecture: its
+support-surface checks, nothing that needs a device. So on a CPU machine this
+checks that the built-in score_mods are wired the way the frontend accepts
+(ALiBi with a causal mask, soft-capping through the score_mod hook), and that
+the configs `backends/cudnn.py` refuses for frontend reasons are refused by the
+frontend too. It cannot show that cuDNN then finds an engine, nor the numbers
+(tests/gpu/test_cudnn.py does, on a GPU).
+
+The extension comes from an installed build (`fusedattn._cuda`) or from the tree
+that `ci/compile_cuda.sh` builds (build/compile-cuda), or FUSEDATTN_CUDA_EXTENSION
+(a path to the .so); without one the tests skip, saying so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import glob
+import importlib
+import importlib.util
+import os
+
+import pytest
+
+from fusedattn import score_mods
+from fusedattn.backends import cudnn
+from fusedattn.config import AttnConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SM_VERSIONS = (90, 100)  # Hopper, Blackwell
+
+
+def _load_extension():
+    """(module, None) or (None, why not)."""
+    import jax
+    jax.devices()  # as fusedattn does: the platform's libraries load before ours
+    candidates = [os.environ.get("FUSEDATTN_CUDA_EXTENSION")]
+    candidates += sorted(glob.glob(os.path.join(ROOT, "build", "compile-cuda", "_cuda*.so")))
+    tried = []
+    try:
+        module = importlib.import_module("fusedattn._cuda")
+        if hasattr(module, "cudnn_validate_graphs"):
+            return module, None
+        tried.append("fusedattn._cuda (built before cudnn_validate_graphs existed)")
+    except Exception as e:
+        tried.append(f"fusedattn._cuda ({type(e).__name__}: {e})")
+    for path in filter(None, candidates):
+        try:
+            spec = importlib.util.spec_from_file_location("_cuda", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except Exception as e:
+            tried.append(f"{path} ({type(e).__name__}: {e})")
+            continue
+        if hasattr(module, "cudnn_validate_graphs"):
+            return module, None
+        tried.append(f"{path} (built before cudnn_validate_graphs existed)")
+    return None, "no compiled CUDA extension to load (run ci/compile_cuda.sh): " + "; ".join(tried)
+
+
+EXT, WHY_NOT = _load_extension()
+pytestmark = pytest.mark.skipif(EXT is None, reason=str(WHY_NOT))
+
+BASE = AttnConfig(batch=2, s_q=128, s_kv=128, h_q=4, h_kv=4, d_qk=64, d_v=64, dtype="bfloat16",
+                  scale=0.125)
+ALIBI = score_mods.alibi(4)
+SOFTCAP = score_mods.softcap(20.0)
+
+ACCEPTED = {
+    "plain": {},
+    "causal-padding": dict(mask="causal", sequence="padding"),
+    "alibi-causal": dict(mask="causal", score_mod=ALIBI),
+    "alibi-causal-padding": dict(mask="causal", sequence="padding", score_mod=ALIBI),
+    "alibi-causal-packed": dict(mask="causal", sequence="packed", max_segments=3, score_mod=ALIBI),
+    "alibi-gqa-8/2-d128": dict(mask="causal", h_q=8, h_kv=2, d_qk=128, d_v=128,
+                               score_mod=score_mods.alibi(8)),
+    "alibi-bias-dropout": dict(mask="causal", bias_shape=(1, 4, 128, 128), dropout=0.1,
+                               score_mod=ALIBI),
+    "alibi-window-only": dict(window=(32, 0), score_mod=ALIBI),
+    "softcap": dict(score_mod=SOFTCAP),
+    "softcap-gqa-fp16-d128": dict(h_q=8, h_kv=2, d_qk=128, d_v=128, dtype="float16",
+                                  score_mod=SOFTCAP),
+    "softcap-learnable-sq<skv": dict(softmax="learnable", s_q=64, score_mod=SOFTCAP),
+}
+
+# Configs backends/cudnn.py refuses because the frontend does; the frontend must agree.
+REFUSED = {
+    "alibi-no-mask": (dict(score_mod=ALIBI), "right_bound needs to be set to 0"),
+    "alibi-bottom-right": (dict(mask="causal_bottom_right", score_mod=ALIBI), "is_alibi=False"),
+    "softcap-causal": (dict(mask="causal", score_mod=SOFTCAP), "other subgraphs are disabled"),
+    "softcap-window": (dict(window=(16, 16), score_mod=SOFTCAP), "other subgraphs are disabled"),
+    "softcap-padding": (dict(sequence="padding", score_mod=SOFTCAP), "other subgraphs are disabled"),
+    "softcap-packed": (dict(sequence="packed", max_segments=2, score_mod=SOFTCAP),
+                       "other subgraphs are disabled"),
+}
+
+
+@pytest.mark.parametrize("sm", SM_VERSIONS)
+@pytest.mark.parametrize("name", list(ACCEPTED))
+def test_frontend_accepts_our_graphs(name, sm):
+    cfg = dataclasses.replace(BASE, **ACCEPTED[name])
+    assert cudnn.config_reason(cfg) is None
+    messages = EXT.cudnn_validate_graphs(cudnn.graph_key(cfg), sm)
+    assert set(messages) == set(cudnn.GRAPHS)
+    assert all(m == "" for m in messages.values()), messages
+
+
+@pytest.mark.parametrize("sm", SM_VERSIONS)
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_frontend_refuses_what_we_refuse(name, sm):
+    change, fragment = REFUSED[name]
+    cfg = dataclasses.replace(BASE, **change)
+    assert cudnn.config_reason(cfg) is not None
+    messages = EXT.cudnn_validate_graphs(cudnn.graph_key(cfg), sm)
+    for graph, message in messages.items():
+        assert fragment in message, (graph, message)
+
+
+def test_a_malformed_key_is_reported_not_raised():
+    messages = EXT.cudnn_validate_graphs("b=1;sq=2", 90)
+    assert all("lacks" in m for m in messages.values()), messages
