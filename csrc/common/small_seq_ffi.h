@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 
+#include "capture_stats.h"
 #include "small_seq_launch.cuh"
 #include "vendor.h"
 #include "xla/ffi/api/ffi.h"
@@ -88,6 +89,8 @@ inline Params make_params(const Geometry& g, ffi::AnyBuffer q, ffi::AnyBuffer k,
 inline ffi::Error small_seq_fwd(vendor::stream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::Buffer<ffi::S32> kv_index, ffi::Result<ffi::AnyBuffer> o,
                                 ffi::Result<ffi::Buffer<ffi::F32>> lse, float scale, int32_t max_kv) {
+  static HandlerCounts& counts = HandlerCountRegistry::instance().counts("fusedattn_small_seq_fwd");
+  note_call(counts, vendor::stream_is_capturing(stream));
   Geometry g;
   std::string err = read_geometry(q, k, v, kv_index, max_kv, g);
   if (err.empty() && (o->element_count() != q.element_count() || lse->element_count() != static_cast<size_t>(g.n * g.h_q)))
@@ -105,6 +108,8 @@ inline ffi::Error small_seq_bwd(vendor::stream_t stream, ffi::AnyBuffer q, ffi::
                                 ffi::Buffer<ffi::S32> kv_index, ffi::Result<ffi::AnyBuffer> dq,
                                 ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float scale,
                                 int32_t max_kv) {
+  static HandlerCounts& counts = HandlerCountRegistry::instance().counts("fusedattn_small_seq_bwd");
+  note_call(counts, vendor::stream_is_capturing(stream));
   Geometry g;
   std::string err = read_geometry(q, k, v, kv_index, max_kv, g);
   if (err.empty() && (o.element_count() != q.element_count() || d_o.element_count() != q.element_count() ||

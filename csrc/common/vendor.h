@@ -46,6 +46,26 @@ __device__ __forceinline__ float shfl_xor(float value, int mask, int width) {
 #endif
 }
 
+// Whether `stream` is being captured into a graph. A failed query counts as
+// "no" and is cleared, so that it does not surface as a later launch error.
+inline bool stream_is_capturing(stream_t stream) {
+#if FUSEDATTN_HIP
+  hipStreamCaptureStatus status = hipStreamCaptureStatusNone;
+  if (hipStreamIsCapturing(stream, &status) != hipSuccess) {
+    (void)hipGetLastError();
+    return false;
+  }
+  return status == hipStreamCaptureStatusActive;
+#else
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return status == cudaStreamCaptureStatusActive;
+#endif
+}
+
 __device__ __forceinline__ void block_sync() { __syncthreads(); }
 
 // 16-bit floats travel as their bits (uint16_t) so that no vendor bf16 type is

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, Optional, Tuple
 
 import jax
 
@@ -112,6 +112,15 @@ def versions() -> Dict[str, object]:
             "cudnn_library": v["cudnn_library"],
         })
     return out
+
+
+def handler_counts(platform: Optional[str] = None) -> Dict[str, Tuple[int, int]]:
+    """FFI target -> (calls, calls made while XLA captured the stream into a graph).
+
+    A handler XLA records into a command buffer is called once, under capture,
+    and then replayed without being called; one run outside a graph counts as a
+    call that was not captured. Raises RuntimeError without the extension."""
+    return {name: (int(c), int(k)) for name, (c, k) in module(platform).handler_counts().items()}
 
 
 def cudnn_version() -> Optional[int]:
