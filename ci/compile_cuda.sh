@@ -26,6 +26,7 @@ if ! have_deps; then
   fi
 fi
 build=build/compile-cuda
+mkdir -p build  # for the configure log, in a fresh clone that needed no deps
 cmake -S . -B "$build" -G Ninja -DFUSEDATTN_GPU=cuda -DPython_EXECUTABLE="$py" \
   -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" >"$build.configure.log" 2>&1 \
   || { cat "$build.configure.log"; exit 1; }
