@@ -112,7 +112,7 @@ def run(quick: bool):
             try:
                 t_f, t_b = _time_pair(fn, *args, d_o, reps)
             except Exception as e:  # a provider that cannot run this shape: say why
-                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:240]}"
                 rows.append(row)
                 print(f"{name:16s} h{h} d{d} kv{kv}: {row['error']}", flush=True)
                 continue
