@@ -39,6 +39,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "capture_stats.h"
 #include "cudnn_params.h"
 #include "module_registry.h"
 #include "xla/ffi/api/ffi.h"
@@ -94,10 +95,15 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
+// A failed query counts as "no" and is cleared, so it cannot surface later as
+// somebody else's error.
 bool stream_is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
-         status != cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
 }
 
 // ---- handles: a pool per device ----------------------------------------------------
@@ -713,12 +719,18 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, std::string_view k
 template <Target kTarget>
 ffi::Error forward_handler(cudaStream_t stream, int32_t device, std::string_view key,
                            int64_t training, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  static HandlerCounts& counts = HandlerCountRegistry::instance().counts(
+      kTarget == Target::kCommandBuffer ? "fusedattn_cudnn_fwd" : "fusedattn_cudnn_fwd_nocmdbuf");
+  note_call(counts, stream_is_capturing(stream));
   return forward_impl(stream, device, key, training, args, rets, kTarget);
 }
 
 template <Target kTarget>
 ffi::Error backward_handler(cudaStream_t stream, int32_t device, std::string_view key,
                             ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  static HandlerCounts& counts = HandlerCountRegistry::instance().counts(
+      kTarget == Target::kCommandBuffer ? "fusedattn_cudnn_bwd" : "fusedattn_cudnn_bwd_nocmdbuf");
+  note_call(counts, stream_is_capturing(stream));
   return backward_impl(stream, device, key, args, rets, kTarget);
 }
 

@@ -5,15 +5,16 @@ CUDA graphs; they must then do no host synchronisation and no allocation
 during capture. Each case runs in a fresh process (XLA reads its flags once)
 with command buffers forced on for custom calls (minimum graph size 1), and
 checks that the captured step runs, replays bit-identically, and matches the
-XLA backend. What this cannot show: that XLA did capture our call. In JAX
-0.11's XLA, command buffers are formed on the thunk sequence, after the
-optimised HLO, so the HLO text does not show them (seen on the H100,
-2026-11-22); a handler XLA declined to capture would also pass.
+XLA backend. That XLA did capture our calls is seen from inside: each handler
+counts its calls and those made while its stream was being captured
+(`native.handler_counts()`); the HLO text cannot show it, since JAX 0.11's XLA
+forms command buffers on the thunk sequence after the optimised HLO.
 
 cuDNN graphs with ALiBi copy their slopes from host memory on every execute, so
 they go through targets without the command-buffer trait (XLA runs them between
 command buffers); their case checks that such a step, with command buffers on
-for everything else, runs, replays identically and matches XLA.
+for everything else, runs, replays identically, matches XLA and was never
+called under capture.
 """
 import json
 import os
@@ -50,17 +51,27 @@ CHILD = textwrap.dedent(r"""
     flat = lambda t: [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(t)]
     rel = max(float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(flat(runs[-1]), flat(ref)))
     same = all(np.array_equal(a, b) for r in runs[1:] for a, b in zip(flat(r), flat(runs[0])))
-    print(json.dumps({"target_in_hlo": target in hlo,
+    from fusedattn.backends import native
+    counts = {name: c for name, c in native.handler_counts().items() if name.startswith("fusedattn_")}
+    print(json.dumps({"target_in_hlo": target in hlo, "handler_counts": counts,
                       "rel_err_vs_xla": rel, "replays_identical": same}))
 """)
 
 
-@pytest.mark.parametrize("backend,shape_q,shape_kv,target,options", [
-    ("cudnn", (2, 256, 8, 64), (2, 256, 8, 64), "fusedattn_cudnn", "none"),
-    ("cudnn", (2, 256, 8, 64), (2, 256, 2, 64), "fusedattn_cudnn_fwd_nocmdbuf", "alibi"),
-    ("small_seq", (1024, 1, 8, 128), (1024, 16, 8, 128), "fusedattn_small_seq", "none"),
-])
-def test_handlers_with_command_buffers_on(backend, shape_q, shape_kv, target, options):
+# (backend, q shape, kv shape, target in the HLO, options, handlers, captured?)
+CASES = [
+    ("cudnn", (2, 256, 8, 64), (2, 256, 8, 64), "fusedattn_cudnn", "none",
+     ("fusedattn_cudnn_fwd", "fusedattn_cudnn_bwd"), True),
+    ("cudnn", (2, 256, 8, 64), (2, 256, 2, 64), "fusedattn_cudnn_fwd_nocmdbuf", "alibi",
+     ("fusedattn_cudnn_fwd_nocmdbuf", "fusedattn_cudnn_bwd_nocmdbuf"), False),
+    ("small_seq", (1024, 1, 8, 128), (1024, 16, 8, 128), "fusedattn_small_seq", "none",
+     ("fusedattn_small_seq_fwd", "fusedattn_small_seq_bwd"), True),
+]
+
+
+@pytest.mark.parametrize("backend,shape_q,shape_kv,target,options,handlers,captured", CASES)
+def test_handlers_with_command_buffers_on(backend, shape_q, shape_kv, target, options, handlers,
+                                          captured):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
                         " --xla_gpu_graph_min_graph_size=1").strip()
@@ -72,3 +83,10 @@ def test_handlers_with_command_buffers_on(backend, shape_q, shape_kv, target, op
     assert result["target_in_hlo"], result
     assert result["replays_identical"], result
     assert result["rel_err_vs_xla"] < 4e-2, result  # bf16 tolerance
+    for name in handlers:  # (calls, calls made while XLA captured the stream)
+        calls, under_capture = result["handler_counts"].get(name, (0, 0))
+        assert calls > 0, (name, result)
+        if captured:
+            assert under_capture > 0, f"XLA never captured {name}: {result}"
+        else:
+            assert under_capture == 0, f"{name} ran under graph capture: {result}"
