@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
 import time
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -24,23 +25,39 @@ def _block(x):
     return jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 
 
-def time_fn(fn: Callable, *args, warmup: int = 3, reps: int = 20, rounds: int = 5) -> float:
-    """Median seconds per call of a jitted `fn(*args)`.
+def _time_round(fn: Callable, args: tuple, reps: int) -> float:
+    """Seconds per call over `reps` back-to-back calls (launch gaps overlap as in a training step)."""
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(reps):
+        out = fn(*args)
+    _block(out)
+    return (time.perf_counter() - t0) / reps
 
-    Each round times `reps` back-to-back calls (so launch gaps overlap as in a
-    training step) and divides; the median over rounds is returned.
-    """
+
+def time_fn(fn: Callable, *args, warmup: int = 3, reps: int = 20, rounds: int = 5) -> float:
+    """Median seconds per call of a jitted `fn(*args)` over `rounds` rounds of `reps` calls."""
     for _ in range(warmup):
         _block(fn(*args))
-    per_call = []
+    return statistics.median(_time_round(fn, args, reps) for _ in range(rounds))
+
+
+def time_interleaved(calls: Dict[str, Tuple[Callable, tuple]], rounds: int = 7,
+                     min_round_s: float = 0.025) -> Dict[str, float]:
+    """Median seconds per call of each already warmed-up jitted `fn(*args)` in `calls`.
+
+    Rounds go round-robin over the entries, so a drift of the device's clocks
+    touches every entry alike and their ratios stay honest; each round repeats a
+    call until it lasts about `min_round_s`, so short kernels are not timed
+    against host jitter.
+    """
+    reps = {name: max(3, math.ceil(min_round_s / max(_time_round(fn, args, 1), 1e-6)))
+            for name, (fn, args) in calls.items()}
+    samples: Dict[str, List[float]] = {name: [] for name in calls}
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(reps):
-            out = fn(*args)
-        _block(out)
-        per_call.append((time.perf_counter() - t0) / reps)
-    return statistics.median(per_call)
+        for name, (fn, args) in calls.items():
+            samples[name].append(_time_round(fn, args, reps[name]))
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def measure_ceilings() -> Dict[str, float]:
