@@ -36,6 +36,14 @@ namespace fusedattn::small_seq {
 #ifndef FUSEDATTN_SMALL_SEQ_FWD_ROW_VECS
 #define FUSEDATTN_SMALL_SEQ_FWD_ROW_VECS 0
 #endif
+// Backward (general kernel): 16-byte key vectors per lane in one step's set of k
+// (and as many of v) rows; the next step's set is in flight meanwhile. 0: the
+// measured default (benchmarks/tune, H100): 4, i.e. four keys a step, with one
+// vector per lane (d <= 256); 2, one key a step, at d 512, where 4 spill and
+// cost 8-12% of bandwidth (0.84-0.90 -> 0.94-0.97 of copy bandwidth).
+#ifndef FUSEDATTN_SMALL_SEQ_BWD_ROW_VECS
+#define FUSEDATTN_SMALL_SEQ_BWD_ROW_VECS 0
+#endif
 
 constexpr int kMaxKv = 16;
 constexpr int kThreads = 256;  // per block; a multiple of both warp widths
@@ -301,7 +309,10 @@ template <class T, int D, int KVB>
 __global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS) small_seq_bwd_kernel(Params p, int teams_per_block) {
   using Tile = Tiling<D>;
   constexpr int L = Tile::kLanes, V = Tile::kVecs, E = Tile::kElems;
-  constexpr int kChunk = 4 / V;  // keys per step: 8 row slices of k and v in registers
+  // Keys per step (two steps' k and v rows in registers at once).
+  constexpr int kStepVecs = FUSEDATTN_SMALL_SEQ_BWD_ROW_VECS > 0 ? FUSEDATTN_SMALL_SEQ_BWD_ROW_VECS : (V == 1 ? 4 : 2);
+  constexpr int kChunk = kStepVecs / V < KVB ? kStepVecs / V : KVB;
+  static_assert(kChunk >= 1 && KVB % kChunk == 0, "FUSEDATTN_SMALL_SEQ_BWD_ROW_VECS: a power of two >= vectors per lane");
   extern __shared__ float shared[];
   const int group = p.h_q / p.h_kv;
   const bool fused_dkv = group == 1;  // the same for every team of the grid
