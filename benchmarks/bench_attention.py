@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (RESULTS_DIR, device_meta, measure_ceilings, print_table,  # noqa: E402
-                    time_interleaved, write_results)
+                    time_interleaved, warmed, write_results)
 
 import fusedattn  # noqa: E402
 from fusedattn.backends import cudnn  # noqa: E402
@@ -128,9 +128,7 @@ def bench(shapes):
                         continue
                     f, args = (jax.jit(fn), (q, k, v)) if mode == "fwd" else (_fwd_bwd(fn), (q, k, v, do))
                     try:
-                        for _ in range(2):  # compile, then one warm call
-                            jax.block_until_ready(f(*args))
-                        calls[impl] = (f, args)
+                        calls[impl] = (warmed(f, *args), args)
                     except Exception as e:  # an anchor that cannot run this shape
                         row[impl] = None
                         row[impl + "_note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"

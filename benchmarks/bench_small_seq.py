@@ -30,7 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import device_meta, measure_ceilings, print_table, time_interleaved, write_results  # noqa: E402
+from common import (device_meta, measure_ceilings, print_table, time_interleaved, warmed,  # noqa: E402
+                    write_results)
 
 import fusedattn  # noqa: E402
 from fusedattn.sequence import SequenceDescriptor  # noqa: E402
@@ -71,12 +72,8 @@ def _bytes(n, h, d, s, lengths, packed):
 
 def _compiled_pair(fn, q, k, v, d_o):
     """Jitted forward and forward+backward of `fn`, compiled and run once (raises if it cannot)."""
-    fwd = jax.jit(fn)
     step = jax.jit(lambda q, k, v, d_o: jax.vjp(fn, q, k, v)[1](d_o))
-    for f, args in ((fwd, (q, k, v)), (step, (q, k, v, d_o))):
-        jax.block_until_ready(f(*args))
-        jax.block_until_ready(f(*args))
-    return fwd, step
+    return warmed(jax.jit(fn), q, k, v), warmed(step, q, k, v, d_o)
 
 
 def run(quick: bool):

@@ -42,6 +42,13 @@ def time_fn(fn: Callable, *args, warmup: int = 3, reps: int = 20, rounds: int = 
     return statistics.median(_time_round(fn, args, reps) for _ in range(rounds))
 
 
+def warmed(fn: Callable, *args) -> Callable:
+    """`fn`, compiled and run once more on `args` (raises if it cannot run them)."""
+    for _ in range(2):
+        _block(fn(*args))
+    return fn
+
+
 def time_interleaved(calls: Dict[str, Tuple[Callable, tuple]], rounds: int = 7,
                      min_round_s: float = 0.025) -> Dict[str, float]:
     """Median seconds per call of each already warmed-up jitted `fn(*args)` in `calls`.
