@@ -1,11 +1,15 @@
 """Public entry points: `fused_attn` and `explain`."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Sequence, Tuple
 
 import jax
 
-from . import dispatch
+from . import dispatch, partitioning
+from .context_parallel import ContextParallel
+from .context_parallel import attention as context_parallel_attention
+from .context_parallel import axis_size
 from .sequence import SequenceDescriptor
 from .validation import build_call
 
@@ -24,6 +28,7 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
                score_mod_args: Sequence[jax.Array] = (),
                deterministic: bool = False,
                layout: str = "bshd",
+               context_parallel: Optional[ContextParallel] = None,
                backend: str = "auto") -> jax.Array:
     """Scaled dot-product attention on the best backend for this platform and config.
 
@@ -46,6 +51,10 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
       score_mod, score_mod_args: ``f(score, batch, head, q_idx, kv_idx, *args)``
         applied to the scaled (and biased) logits.
       deterministic: ask for a bitwise-reproducible backward pass.
+      context_parallel: a `ContextParallel` when q, k, v are sharded along their
+        sequence over a mesh axis (ring or all-gather of kv; see
+        `fusedattn.context_parallel`). Batch and head splits need nothing: every
+        backend partitions over them by itself.
       backend: ``"auto"`` or a backend name (``FUSEDATTN_BACKEND`` overrides auto).
 
     Returns:
@@ -56,14 +65,45 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
         softmax=softmax, softmax_offset=softmax_offset, dropout=dropout, rng=rng,
         score_mod=score_mod, score_mod_args=score_mod_args, deterministic=deterministic,
         layout=layout)
-    return dispatch.plan(config, backend).backend.attention(config, inputs)
+    cp = _check_context_parallel(context_parallel)
+    plan = dispatch.plan(config, backend, context_parallel=cp)
+    if cp is not None:
+        plan.backend  # noqa: B018 - raises UnsupportedError with every reason
+        return context_parallel_attention(config, inputs, cp, plan.chosen)
+    return plan.backend.attention(config, inputs)
 
 
-def explain(q, k, v, *, backend: str = "auto", **options) -> dispatch.Plan:
+def _check_context_parallel(cp) -> Optional[ContextParallel]:
+    if cp is None:
+        return None
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(f"context_parallel must be a fusedattn.ContextParallel or None, got "
+                        f"{type(cp).__name__}")
+    axis_size(cp)  # raises ValueError naming the axis when the mesh lacks it
+    return cp
+
+
+def explain(q, k, v, *, backend: str = "auto", context_parallel=None, **options) -> dispatch.Plan:
     """The plan `fused_attn(q, k, v, **options)` would follow, without running it.
 
     Arrays may be `jax.ShapeDtypeStruct`s. The plan names the chosen backend and,
     for every other backend, why it was not chosen; ``print(plan)`` shows a table.
+    Arrays that carry a `NamedSharding` (device arrays, or ShapeDtypeStructs made
+    with ``sharding=``) add the distributed plan: the batch / head split, the
+    per-device shapes, the collectives and what must be gathered and why.
     """
-    config, _ = build_call(q, k, v, **options)
-    return dispatch.plan(config, backend)
+    config, inputs = build_call(q, k, v, **options)
+    cp = _check_context_parallel(context_parallel)
+    plan = dispatch.plan(config, backend, context_parallel=cp)
+    if cp is not None or plan.chosen is None:
+        return plan
+    found = partitioning.named_specs([inputs.q, inputs.k, inputs.v])
+    if found is None:
+        return plan
+    mesh_shape, specs = found
+    dims = partitioning.input_dims(config, inputs._replace(rng=None))
+    arrays = [(name, d, spec) for name, d, spec in zip(("q", "k", "v"), (dims.q, dims.k, dims.v),
+                                                      specs) if d is not None]
+    split = partitioning.decide(config, mesh_shape, arrays)
+    return dataclasses.replace(plan, distributed=partitioning.describe(
+        config, mesh_shape, split, plan.chosen))

@@ -61,6 +61,9 @@ class Plan:
     requested: str
     chosen: Optional[str]
     reasons: Tuple[Tuple[str, Optional[str]], ...]  # (backend, None if usable else reason)
+    # The distributed plan (context parallelism, or the batch / head split of sharded
+    # inputs given to explain()), as lines of text; "" for a single-device call.
+    distributed: str = ""
 
     @property
     def backend(self):
@@ -83,10 +86,10 @@ class Plan:
 
     def __str__(self) -> str:
         head = f"fusedattn plan on {self.platform} for {self.config.short()}"
-        return head + "\n" + self.table()
+        return head + "\n" + self.table() + ("\n" + self.distributed if self.distributed else "")
 
 
-def _reason(name: str, config: AttnConfig, platform: str) -> Optional[str]:
+def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[str]:
     try:
         backend = load_backend(name)
     except Exception as e:  # an optional backend that cannot even import
@@ -94,7 +97,12 @@ def _reason(name: str, config: AttnConfig, platform: str) -> Optional[str]:
     if platform not in backend.platforms:
         return f"runs on {'/'.join(backend.platforms)}, not {platform}"
     try:
-        return backend.supports(config)
+        why = backend.supports(config)
+        if why is None and cp is not None:
+            from . import context_parallel  # noqa: PLC0415
+            why = context_parallel.plan_reason(config, cp, backend)
+            why = None if why is None else f"context parallel: {why}"
+        return why
     except Exception as e:  # a probe that crashed is a reason, never a crash
         return f"support check failed: {type(e).__name__}: {e}"
 
@@ -105,27 +113,34 @@ _plans: Dict[tuple, Plan] = {}
 _plans_lock = threading.Lock()
 
 
-def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = None) -> Plan:
-    """Ask every backend about `config`; pick the first usable one (or the forced one)."""
+def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = None,
+         context_parallel=None) -> Plan:
+    """Ask every backend about `config`; pick the first usable one (or the forced one).
+    With `context_parallel` (a `ContextParallel`), a backend must also run every block
+    of that split."""
     platform = platform or current_platform()
     requested = backend
     if requested == "auto":
         requested = os.environ.get(ENV_BACKEND, "auto") or "auto"
     if requested != "auto" and requested not in ALL_BACKENDS:
         raise ValueError(f"backend must be 'auto' or one of {ALL_BACKENDS}, got {requested!r}")
-    key = (config, platform, requested)
+    key = (config, platform, requested, context_parallel)
     with _plans_lock:
         cached = _plans.get(key)
     if cached is not None:
         return cached
     preferred = PREFERENCE.get(platform, ("xla",))
     order: List[str] = list(preferred) + [n for n in ALL_BACKENDS if n not in preferred]
-    reasons = tuple((name, _reason(name, config, platform)) for name in order)
+    reasons = tuple((name, _reason(name, config, platform, context_parallel)) for name in order)
     if requested == "auto":
         chosen = next((n for n, r in reasons if r is None), None)
     else:
         chosen = requested if dict(reasons)[requested] is None else None
-    result = Plan(config, platform, requested, chosen, reasons)
+    distributed = ""
+    if context_parallel is not None:
+        from . import context_parallel as cp_module  # noqa: PLC0415
+        distributed = cp_module.describe(config, context_parallel)
+    result = Plan(config, platform, requested, chosen, reasons, distributed)
     with _plans_lock:
         if key not in _plans:
             log.info("fusedattn: %s on %s -> %s", config.short(), platform, chosen or "no backend")

@@ -53,6 +53,16 @@ def unpack_qkv(config: AttnConfig, inputs: AttnInputs):
     return q, k, v
 
 
+def pack_like_inputs(config: AttnConfig, dq, dk, dv):
+    """Gradients of separate q, k, v -> the packing the inputs came in (dq, dk, dv with
+    None where a packed tensor holds them)."""
+    if config.qkv_packing == "qkv":
+        return jnp.stack([dq, dk, dv], axis=-3), None, None
+    if config.qkv_packing == "kv":
+        return dq, jnp.stack([dk, dv], axis=-3), None
+    return dq, dk, dv
+
+
 def to_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
     """A [.., h, d] tensor in the config's layout -> bshd."""
     return jnp.swapaxes(x, 0, 1) if config.layout == "sbhd" else x

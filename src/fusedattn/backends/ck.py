@@ -22,7 +22,6 @@ compile-checked in CI and this module's lowering is tested on CPU.
 """
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple, Optional
 
 import jax
@@ -30,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import AttnConfig
-from . import native
-from .base import AttnInputs, unpack_qkv
+from . import native, native_call
+from .base import AttnInputs, pack_like_inputs, unpack_qkv
 from .xla_masks import token_info
 
 TARGET_FWD = "fusedattn_ck_fwd"
@@ -240,45 +239,28 @@ def _sum_groups(x, h_kv: int):
     return x.astype(jnp.float32).reshape(*lead, h_kv, h_q // h_kv, d).sum(-2).astype(x.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ck_attention(st: _Static, q, k, v, bias, seq, drop, q_keep, kv_keep):
-    return _ck_attention_fwd(st, q, k, v, bias, seq, drop, q_keep, kv_keep)[0]
-
-
-def _ck_attention_fwd(st, q, k, v, bias, seq, drop, q_keep, kv_keep):
-    out, lse = _forward(st, q, k, v, bias, seq, drop)
-    out = jnp.where(q_keep, out, jnp.zeros((), out.dtype))
-    return out, (q, k, v, bias, seq, drop, q_keep, kv_keep, out, lse)
-
-
-def _ck_attention_bwd(st, residuals, dout):
-    q, k, v, bias, seq, drop, q_keep, kv_keep, out, lse = residuals
-    dout = jnp.where(q_keep, dout, jnp.zeros((), dout.dtype))
-    dq, dk, dv, dbias = _backward(st, q, k, v, bias, seq, drop, out, lse, dout)
-    zero = jnp.zeros((), q.dtype)
-    dq = jnp.where(q_keep, dq, zero)
-    dk = jnp.where(kv_keep, _sum_groups(dk, st.h_kv), zero)
-    dv = jnp.where(kv_keep, _sum_groups(dv, st.h_kv), zero)
-    if st.bias_shape:
-        bb, hb = st.bias_shape[:2]
-        axes = tuple(a for a, n in ((0, bb), (1, hb)) if n == 1)
-        dbias = dbias.astype(jnp.float32).sum(axes, keepdims=True).astype(bias.dtype)
-    else:
-        dbias = jnp.zeros_like(bias)
-    return dq, dk, dv, dbias, None, None, None, None
-
-
-_ck_attention.defvjp(_ck_attention_fwd, _ck_attention_bwd)
-
-
-def _dropout_words(config: AttnConfig, rng) -> jax.Array:
-    """Seed and offset for CK's philox stream: two uint64 as uint32[4]."""
+def _dropout_words(config: AttnConfig, bits) -> jax.Array:
+    """Seed and offset for CK's philox stream, two uint64 as uint32[4]: the raw bits
+    native_call draws from the key."""
     if not config.has_dropout:
         return jnp.zeros((0,), jnp.uint32)
-    return jax.random.bits(rng, (4,), jnp.uint32)
+    return bits
 
 
-def attention(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
+class _Prepared(NamedTuple):
+    st: _Static
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    bias: jax.Array
+    seq: jax.Array
+    drop: jax.Array
+    q_keep: jax.Array   # queries that are real and see a key, broadcast against q
+    kv_keep: jax.Array  # real keys, broadcast against k
+
+
+def _prepare(config: AttnConfig, inputs: AttnInputs) -> _Prepared:
+    """What the kernels read: tensors in CK's view, attributes, masks of real tokens."""
     if native.gpu_platform() == "rocm":
         extension_reason()  # registers the FFI targets; lowering elsewhere needs none
     q, k, v = unpack_qkv(config, inputs)
@@ -302,10 +284,60 @@ def attention(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
     if grouped:  # the kernels see [1, tokens, h, d]; masks follow
         q_keep = q_keep.reshape(1, -1, 1, 1)
         kv_keep = kv_keep.reshape(1, -1, 1, 1)
-    out = _ck_attention(st, _to_ck(config, q, grouped), _to_ck(config, k, grouped),
-                        _to_ck(config, v, grouped), bias, _seq_array(config, seq),
-                        _dropout_words(config, inputs.rng), q_keep, kv_keep)
-    return _from_ck(config, out, grouped, config.s_q)
+    to_ck = lambda x: _to_ck(config, x, grouped)  # noqa: E731
+    return _Prepared(st, to_ck(q), to_ck(k), to_ck(v), bias, _seq_array(config, seq),
+                     _dropout_words(config, inputs.rng), q_keep, kv_keep)
+
+
+def _lse_to_contract(p: _Prepared, lse):
+    """CK's LSE ([h, b * s_q] in group mode) -> [b, h, s_q]."""
+    if not p.st.grouped:
+        return lse
+    return jnp.swapaxes(lse.reshape(lse.shape[0], p.st.batch, p.st.s_q), 0, 1)
+
+
+def _lse_from_contract(p: _Prepared, lse):
+    if not p.st.grouped:
+        return lse
+    return jnp.swapaxes(lse, 0, 1).reshape(lse.shape[1], -1)
+
+
+# ---- the per-device kernels (native_call partitions and differentiates them) ---------------
+def forward(config: AttnConfig, inputs: AttnInputs, training: bool = True):
+    """(out, fp32 lse [b, h_q, s_q] when training); padded positions exactly 0."""
+    p = _prepare(config, inputs)
+    out, lse = _forward(p.st, p.q, p.k, p.v, p.bias, p.seq, p.drop)
+    out = jnp.where(p.q_keep, out, jnp.zeros((), out.dtype))
+    out = _from_ck(config, out, p.st.grouped, config.s_q)
+    return out, (_lse_to_contract(p, lse) if training else None)
+
+
+def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
+    """Gradients of q, k, v (as packed as the inputs) and bias."""
+    p = _prepare(config, inputs)
+    to_ck = lambda x: _to_ck(config, x, p.st.grouped)  # noqa: E731
+    zero = jnp.zeros((), p.q.dtype)
+    d_out = jnp.where(p.q_keep, to_ck(d_out.astype(out.dtype)), zero)
+    dq, dk, dv, dbias = _backward(p.st, p.q, p.k, p.v, p.bias, p.seq, p.drop, to_ck(out),
+                                  _lse_from_contract(p, lse), d_out)
+    dq = jnp.where(p.q_keep, dq, zero)
+    dk = jnp.where(p.kv_keep, _sum_groups(dk, p.st.h_kv), zero)
+    dv = jnp.where(p.kv_keep, _sum_groups(dv, p.st.h_kv), zero)
+    back = lambda x, s: _from_ck(config, x, p.st.grouped, s)  # noqa: E731
+    dq, dk, dv = pack_like_inputs(config, back(dq, config.s_q), back(dk, config.s_kv),
+                                  back(dv, config.s_kv))
+    d_bias = None
+    if inputs.bias is not None:
+        bb, hb = inputs.bias.shape[:2]
+        axes = tuple(a for a, n in ((0, bb), (1, hb)) if n == 1)
+        d_bias = dbias.astype(jnp.float32).sum(axes, keepdims=True)
+        d_bias = d_bias.reshape(inputs.bias.shape).astype(inputs.bias.dtype)
+    return AttnInputs(q=dq, k=dk, v=dv, bias=d_bias)
+
+
+def attention(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
+    """The output, differentiable and partitioned over batch and head splits."""
+    return native_call.attention("ck", config, inputs)[0]
 
 
 class _CkBackend:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import threading
 from typing import Dict, Optional, Tuple
 
@@ -33,7 +32,7 @@ import numpy as np
 
 from ..config import AttnConfig
 from ..score_mods import Alibi, SoftCap
-from . import native
+from . import native, native_call
 from .base import AttnInputs
 
 TARGET_FWD = "fusedattn_cudnn_fwd"
@@ -254,10 +253,10 @@ class _CudnnBackend:
 BACKEND = _CudnnBackend()
 
 
-# ---- the call -----------------------------------------------------------------------------
+# ---- the per-device kernels (native_call partitions and differentiates them) ---------------
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """Everything static about one call (hashable: custom_vjp's nondiff argument)."""
+    """Everything static about one call of the FFI handlers."""
     config: AttnConfig
     key: str
     workspace: Tuple[int, int, int]
@@ -265,9 +264,8 @@ class _Static:
     targets: Tuple[str, str, str] = (TARGET_FWD, TARGET_FWD, TARGET_BWD)
 
 
-def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool = True):
-    """(out, lse): out in the config's layout and q's dtype, lse fp32 ``[b, h_q, s_q]``
-    (None unless `need_lse`). Differentiable in q, k, v, bias and softmax_offset."""
+def _static(config: AttnConfig) -> _Static:
+    """The graphs of `config` (built, or found in the cache) and the targets to call."""
     why = BACKEND.supports(config)
     if why is not None:
         raise ValueError(f"cudnn backend cannot run {config.short()}: {why}")
@@ -277,22 +275,51 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
         (TARGET_BWD_NOCMDBUF if copy else TARGET_BWD) if graph == "backward"
         else (TARGET_FWD_NOCMDBUF if copy else TARGET_FWD)
         for graph, copy in zip(GRAPHS, copies))
-    static = _Static(config, graph_key(config), found.workspace, targets)
-    q, k, v = inputs.q, inputs.k, inputs.v  # raw buffers: packing handled by strides
-    dtype = q.dtype
+    _register()
+    return _Static(config, graph_key(config), found.workspace, targets)
+
+
+def _operands(config: AttnConfig, inputs: AttnInputs):
+    """(q, k, v, bias, sink): raw buffers (packing handled by strides), bias in q's
+    dtype, the sink logits as fp32 [h_q]."""
+    dtype = inputs.q.dtype
     bias = None if inputs.bias is None else inputs.bias.astype(dtype)
     sink = None
     if config.softmax == "learnable":
         sink = inputs.softmax_offset.astype(jnp.float32).reshape(config.h_q)
     elif config.softmax == "off_by_one":
         sink = jnp.zeros((config.h_q,), jnp.float32)
-    diff = (q, k, v, bias, sink)
-    aux = _aux_arrays(config, inputs)
-    if need_lse:
-        # The LSE is a saved statistic: gradients flow through `out` only.
-        out, stats = _attend_with_lse(static, diff, aux)
-        return out, _lse(config, jax.lax.stop_gradient(stats))
-    return _attend(static, diff, aux), None
+    return inputs.q, inputs.k, inputs.v, bias, sink
+
+
+def forward(config: AttnConfig, inputs: AttnInputs, training: bool):
+    """(out, fp32 lse [b, h_q, s_q] when training); ``inputs.rng`` is raw bits."""
+    out, stats = _forward_call(_static(config), _operands(config, inputs),
+                               _aux_arrays(config, inputs), training)
+    return out, (None if stats is None else _lse(config, stats))
+
+
+def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
+    """Gradients of q, k, v (as packed as the inputs), bias and softmax_offset."""
+    stats = jnp.swapaxes(lse, 1, 2) if config.is_packed else lse
+    d_q, d_k, d_v, d_bias, d_sink = _backward_call(
+        _static(config), _operands(config, inputs), _aux_arrays(config, inputs), out, stats, d_out)
+    if d_bias is not None:
+        d_bias = d_bias.astype(inputs.bias.dtype)
+    d_offset = None
+    if config.softmax == "learnable":
+        d_offset = d_sink.reshape(inputs.softmax_offset.shape).astype(inputs.softmax_offset.dtype)
+    return AttnInputs(q=d_q, k=d_k, v=d_v, bias=d_bias, softmax_offset=d_offset)
+
+
+def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool = True):
+    """(out, lse): out in the config's layout and q's dtype, lse fp32 ``[b, h_q, s_q]``
+    (None unless `need_lse`). Differentiable in q, k, v, bias and softmax_offset, and
+    partitioned over batch and head splits (`native_call`)."""
+    why = BACKEND.supports(config)
+    if why is not None:
+        raise ValueError(f"cudnn backend cannot run {config.short()}: {why}")
+    return native_call.attention("cudnn", config, inputs, need_lse=need_lse)
 
 
 def _aux_arrays(config: AttnConfig, inputs: AttnInputs) -> Tuple[jax.Array, ...]:
@@ -305,8 +332,9 @@ def _aux_arrays(config: AttnConfig, inputs: AttnInputs) -> Tuple[jax.Array, ...]
     elif config.is_packed:
         aux += _packed_arrays(config, seq)
     if config.has_dropout:
-        # 64-bit Philox seed and offset, each as two uint32 words (no x64 needed).
-        bits = jax.random.bits(inputs.rng, (3,), jnp.uint32)
+        # 64-bit Philox seed and offset, each as two uint32 words (no x64 needed), from
+        # the raw bits native_call draws from the key.
+        bits = inputs.rng
         aux += [bits[:2], jnp.stack([bits[2], jnp.uint32(0)])]
     return tuple(aux)
 
@@ -413,43 +441,3 @@ def _register():
     """FFI targets on first use; on a host without the extension (lowering only) a no-op."""
     if native.gpu_platform() == "cuda":
         native.ensure_targets(TARGETS, "cuda")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(static, diff, aux):
-    _register()
-    return _forward_call(static, diff, aux, training=False)[0]
-
-
-def _attend_fwd(static, diff, aux):
-    _register()
-    o, lse = _forward_call(static, diff, aux, training=True)
-    return o, (diff, aux, o, lse)
-
-
-def _attend_bwd(static, res, d_o):
-    diff, aux, o, lse = res
-    return _backward_call(static, diff, aux, o, lse, d_o), None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend_with_lse(static, diff, aux):
-    _register()
-    return _forward_call(static, diff, aux, training=True)
-
-
-def _attend_with_lse_fwd(static, diff, aux):
-    o, lse = _attend_with_lse(static, diff, aux)
-    return (o, lse), (diff, aux, o, lse)
-
-
-def _attend_with_lse_bwd(static, res, cotangents):
-    # The caller stops the LSE's gradient, so only the output's cotangent is non-zero.
-    diff, aux, o, lse = res
-    return _backward_call(static, diff, aux, o, lse, cotangents[0]), None
-
-
-_attend_with_lse.defvjp(_attend_with_lse_fwd, _attend_with_lse_bwd)

@@ -14,7 +14,6 @@ than 16 gives NaN outputs (and gradients) for that sequence.
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import jax
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import AttnConfig
+from . import native_call
 from .base import AttnInputs
 
 HEAD_DIMS = (64, 128, 256, 512)
@@ -73,9 +73,7 @@ class _SmallSeqBackend:
         reason = self.supports(config)
         if reason is not None:
             raise ValueError(f"small_seq backend cannot run {config.short()}: {reason}")
-        max_kv = MAX_KV if config.sequence == "ragged" else config.s_kv
-        return _attend(inputs.q, inputs.k, inputs.v, kv_index(config, inputs),
-                       float(config.scale), int(max_kv))
+        return native_call.attention("small_seq", config, inputs)[0]
 
 
 def kv_index(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
@@ -91,47 +89,40 @@ def kv_index(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
     return jnp.where(seq.q_lengths > 0, seq.kv_lengths, 0).astype(jnp.int32)
 
 
-def _forward_call(q, k, v, index, scale: float, max_kv: int):
-    n, _, h_q, _ = q.shape
-    return jax.ffi.ffi_call(
+def _max_kv(config: AttnConfig) -> np.int32:
+    return np.int32(MAX_KV if config.sequence == "ragged" else config.s_kv)
+
+
+# ---- the per-device kernels (native_call partitions and differentiates them) ---------------
+def forward(config: AttnConfig, inputs: AttnInputs, training: bool = True):
+    """(out, fp32 lse [n, h_q, 1]); the kernel always writes the LSE."""
+    _native_reason()  # registers the FFI targets where the extension is loaded
+    q = inputs.q
+    out, lse = jax.ffi.ffi_call(
         "fusedattn_small_seq_fwd",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((n, h_q, 1), jnp.float32)),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),
+         jax.ShapeDtypeStruct((q.shape[0], q.shape[2], 1), jnp.float32)),
         vmap_method="sequential",
-    )(q, k, v, index, scale=np.float32(scale), max_kv=np.int32(max_kv))
+    )(q, inputs.k, inputs.v, kv_index(config, inputs), scale=np.float32(config.scale),
+      max_kv=_max_kv(config))
+    return out, (lse if training else None)
 
 
-def _backward_call(q, k, v, o, lse, d_o, index, scale: float, max_kv: int):
-    return jax.ffi.ffi_call(
+def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
+    """Gradients of q, k, v (the backward recomputes P from the LSE)."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    dq, dk, dv = jax.ffi.ffi_call(
         "fusedattn_small_seq_bwd",
         tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
         vmap_method="sequential",
-    )(q, k, v, o, lse, d_o, index, scale=np.float32(scale), max_kv=np.int32(max_kv))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attend(q, k, v, index, scale, max_kv):
-    return _forward_call(q, k, v, index, scale, max_kv)[0]
-
-
-def _attend_fwd(q, k, v, index, scale, max_kv):
-    o, lse = _forward_call(q, k, v, index, scale, max_kv)
-    return o, (q, k, v, index, o, lse)
-
-
-def _attend_bwd(scale, max_kv, residuals, d_o):
-    q, k, v, index, o, lse = residuals
-    dq, dk, dv = _backward_call(q, k, v, o, lse, d_o.astype(o.dtype), index, scale, max_kv)
-    return dq, dk, dv, None
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)
+    )(q, k, v, out, lse, d_out.astype(out.dtype), kv_index(config, inputs),
+      scale=np.float32(config.scale), max_kv=_max_kv(config))
+    return AttnInputs(q=dq, k=dk, v=dv)
 
 
 def forward_with_lse(config: AttnConfig, inputs: AttnInputs):
     """(out, fp32 lse ``[n, h_q, 1]``) straight from the forward kernel (tests, benchmarks)."""
-    max_kv = MAX_KV if config.sequence == "ragged" else config.s_kv
-    return _forward_call(inputs.q, inputs.k, inputs.v, kv_index(config, inputs),
-                         float(config.scale), int(max_kv))
+    return forward(config, inputs, training=True)
 
 
 BACKEND = _SmallSeqBackend()

@@ -1,0 +1,279 @@
+"""The one differentiable, partitionable call around every native backend.
+
+A native backend (cudnn, small_seq, ck) provides two per-device functions:
+
+* ``forward(config, inputs, training) -> (out, lse | None)``, ``lse`` fp32
+  ``[b, h_q, s_q]`` when training;
+* ``backward(config, inputs, out, lse, d_out) -> AttnInputs`` of gradients
+  (q, k, v, bias, softmax_offset; None elsewhere),
+
+where ``config`` describes the arrays that device holds and ``inputs.rng``
+is raw uint32 bits (`rng_bits`). This module wraps them once:
+
+* a custom_vjp (inference forward when no gradient is taken, training
+  forward + backward otherwise);
+* `jax.experimental.custom_partitioning` with the rule of
+  `fusedattn.partitioning`, as a Shardy `sharding_rule` and as GSPMD
+  callbacks, so batch and head splits need no collective and each device runs
+  the backend on its own shard (a config of the local shapes);
+* sequential `vmap` (one call per mapped element), as the FFI calls had.
+
+Under `shard_map` (every mesh axis manual) custom_partitioning inlines the
+call: it runs per device as written.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
+                                                  custom_partitioning)
+from jax.sharding import NamedSharding
+
+from .. import partitioning as P
+from ..config import AttnConfig
+from .base import AttnInputs
+
+RNG_WORDS = 4  # uint32 words of dropout randomness handed to the kernels
+
+
+def rng_bits(config: AttnConfig, rng) -> Optional[jax.Array]:
+    """The dropout key as raw uint32 bits (None without dropout)."""
+    if not config.has_dropout:
+        return None
+    return jax.random.bits(rng, (RNG_WORDS,), jnp.uint32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """One native step (static: custom_partitioning's and custom_vjp's hashable argument)."""
+    backend: str               # module under fusedattn.backends
+    step: str                  # "inference", "training" or "backward"
+    config: AttnConfig         # the global (unsplit) config
+    in_tree: Any               # treedef of the operands
+    in_dims: Tuple[P.Dims, ...]
+    out_tree: Any
+    out_dims: Tuple[P.Dims, ...]
+
+    @property
+    def kernels(self):
+        return importlib.import_module(f"fusedattn.backends.{self.backend}")
+
+
+# ---- the per-device body ------------------------------------------------------------
+def _run(op: _Op, config: AttnConfig, flat):
+    operands = jax.tree_util.tree_unflatten(op.in_tree, flat)
+    if op.step == "backward":
+        inputs, out, lse, d_out = operands
+        result = op.kernels.backward(config, inputs, out, lse, d_out)
+    else:
+        out, lse = op.kernels.forward(config, operands, op.step == "training")
+        result = (out, lse) if op.step == "training" else (out,)
+    leaves = jax.tree_util.tree_leaves(result)
+    assert len(leaves) == len(op.out_dims), (op.step, len(leaves), len(op.out_dims))
+    return tuple(leaves)
+
+
+def _body(op: _Op, *flat):
+    # Under jit, so that arrays the body creates are constants of an inner call:
+    # custom_partitioning takes a body without constants of its own.
+    return jax.jit(functools.partial(_run, op, op.config))(flat)
+
+
+def _split(op: _Op, mesh, arg_shapes) -> P.Split:
+    arrays = [(f"operand {i}", dims, s.sharding.spec if isinstance(s.sharding, NamedSharding)
+               else None) for i, (dims, s) in enumerate(zip(op.in_dims, arg_shapes))]
+    arrays[0] = ("q",) + arrays[0][1:]
+    return P.decide(op.config, dict(mesh.shape), arrays)
+
+
+def _shardings(mesh, split: P.Split, dims):
+    return tuple(NamedSharding(mesh, split.spec(d)) for d in dims)
+
+
+def _infer(op, mesh, arg_shapes, result_shape):
+    return _shardings(mesh, _split(op, mesh, arg_shapes), op.out_dims)
+
+
+def _partition(op, mesh, arg_shapes, result_shape):
+    split = _split(op, mesh, arg_shapes)
+    shape = dict(mesh.shape)
+    local = P.local_config(op.config, split, shape)
+
+    def per_device(*flat):
+        flat = list(flat)
+        for i, dims in enumerate(op.in_dims):
+            if dims.roles == (P.OFFSETS,) and split.batch:  # small-seq packed kv offsets
+                n = local.batch
+                start = P.shard_index(split.batch, shape) * n
+                flat[i] = jax.lax.dynamic_slice_in_dim(flat[i], start, n + 1)
+        if op.config.has_dropout and not split.trivial:
+            flat = _fold_shard_into_rng(op, flat, split, shape)
+        outs = list(_run(op, local, flat))
+        if op.step == "backward":
+            for i, dims in enumerate(op.out_dims):
+                axes = sum((split.axes(r) for r in P.summed_roles(dims)), ())
+                if axes:
+                    outs[i] = jax.lax.psum(outs[i], axes)
+        return tuple(outs)
+
+    return (mesh, per_device, _shardings(mesh, split, op.out_dims),
+            _shardings(mesh, split, op.in_dims))
+
+
+def _fold_shard_into_rng(op: _Op, flat, split: P.Split, shape):
+    """Each shard's dropout stream: the bits mixed with the shard's index (documented:
+    masks under a split differ from the unsplit call's)."""
+    inputs = jax.tree_util.tree_unflatten(op.in_tree, flat)
+    root = inputs[0] if op.step == "backward" else inputs
+    index = P.shard_index(split.batch + split.heads, shape).astype(jnp.uint32)
+    bits = root.rng.at[0].add(index * jnp.uint32(0x9E3779B9))
+    root = root._replace(rng=bits)
+    inputs = (root,) + tuple(inputs[1:]) if op.step == "backward" else root
+    return jax.tree_util.tree_leaves(inputs)
+
+
+def _rule(op, mesh, value_types, result_types):
+    """The Shardy rule: batch and head factors shared by every array that has them;
+    query heads are (kv heads x group) under GQA; tokens and head dims need replication."""
+    group = op.config.h_q // op.config.h_kv
+    counter = iter(range(10 ** 6))
+    own = []
+
+    def mapping(dims: P.Dims):
+        names = []
+        for role in dims.roles:
+            if role == P.BATCH:
+                names.append("b")
+            elif role == P.KV_HEADS:
+                names.append("k")
+            elif role == P.Q_HEADS:
+                names.append(CompoundFactor("k", "g") if group > 1 else "k")
+            elif role in (P.Q_TOKENS, P.KV_TOKENS):
+                names.append(role)
+            else:  # a dimension of its own, kept whole
+                name = f"x{next(counter)}"
+                own.append(name)
+                names.append(name)
+        return ArrayMapping(*names)
+
+    ins = tuple(mapping(d) for d in op.in_dims)
+    outs = tuple(mapping(d) for d in op.out_dims)
+    # Shardy wants special factors in the order the factors first appear.
+    order = list(dict.fromkeys(n for m in ins + outs for n in m if isinstance(n, str)))
+    replicate = tuple(n for n in order if n in ("s", "t", *own))
+    sizes = {"g": group} if group > 1 else {}
+    return SdyShardingRule(ins, outs, need_replication_factors=replicate, **sizes)
+
+
+_partitioned = custom_partitioning(_body, static_argnums=(0,))
+_partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer,
+                           sharding_rule=_rule)
+
+
+def _call(backend: str, step: str, config: AttnConfig, operands, dims):
+    flat, in_tree = jax.tree_util.tree_flatten(operands)
+    in_dims = tuple(jax.tree_util.tree_leaves(dims))
+    assert len(in_dims) == len(flat), (len(in_dims), len(flat))
+    out_dims, out_tree = _out_dims(step, config, operands, dims)
+    op = _Op(backend, step, config, in_tree, in_dims, out_tree, out_dims)
+    outs = jax.custom_batching.sequential_vmap(functools.partial(_partitioned, op))(*flat)
+    return jax.tree_util.tree_unflatten(out_tree, list(outs))
+
+
+def _out_dims(step: str, config: AttnConfig, operands, dims):
+    if step == "backward":
+        inputs, input_dims = operands[0], dims[0]
+        grads = _grad_slots(config, inputs)
+        pairs = [(getattr(input_dims, f), f) for f in grads._fields if getattr(grads, f)]
+        tree = jax.tree_util.tree_structure(
+            AttnInputs(**{f: (0 if getattr(grads, f) else None) for f in grads._fields}))
+        return tuple(d for d, _ in pairs), tree
+    if step == "training":
+        return (P.output_dims(config), P.LSE_DIMS), jax.tree_util.tree_structure((0, 0))
+    return (P.output_dims(config),), jax.tree_util.tree_structure((0,))
+
+
+def _grad_slots(config: AttnConfig, inputs: AttnInputs) -> AttnInputs:
+    """Which fields of `inputs` a backward returns gradients for (True/False)."""
+    return AttnInputs(q=True, k=inputs.k is not None, v=inputs.v is not None,
+                      bias=inputs.bias is not None,
+                      softmax_offset=inputs.softmax_offset is not None
+                      and config.softmax == "learnable",
+                      sequence=None, rng=None, score_mod_args=())
+
+
+# ---- the differentiable call ----------------------------------------------------------
+def attention(backend: str, config: AttnConfig, inputs: AttnInputs, *, need_lse: bool = False):
+    """(out, lse) from native `backend`; lse (fp32 ``[b, h_q, s_q]``, no gradient) only
+    when `need_lse`. Differentiable in q, k, v, bias and softmax_offset."""
+    inputs = inputs._replace(rng=rng_bits(config, inputs.rng))
+    if need_lse:
+        out, lse = _attend_with_lse(backend, config, inputs)
+        return out, jax.lax.stop_gradient(lse)
+    return _attend(backend, config, inputs), None
+
+
+def forward(backend: str, config: AttnConfig, inputs: AttnInputs, training: bool):
+    """The partitioned forward alone (inputs.rng already bits)."""
+    dims = P.input_dims(config, inputs)
+    if training:
+        return _call(backend, "training", config, inputs, dims)
+    return _call(backend, "inference", config, inputs, dims)[0], None
+
+
+def backward(backend: str, config: AttnConfig, inputs: AttnInputs, out, lse, d_out):
+    """The partitioned backward alone: gradients as an AttnInputs (None where none)."""
+    dims = (P.input_dims(config, inputs), P.output_dims(config), P.LSE_DIMS,
+            P.output_dims(config))
+    grads = _call(backend, "backward", config, (inputs, out, lse, d_out.astype(out.dtype)), dims)
+    return _cotangents(inputs, grads)
+
+
+def _cotangents(inputs: AttnInputs, grads: AttnInputs) -> AttnInputs:
+    """Gradients for every leaf of `inputs`: integer data (descriptor, rng bits) gets none."""
+    return AttnInputs(q=grads.q, k=grads.k, v=grads.v, bias=grads.bias,
+                      softmax_offset=grads.softmax_offset,
+                      sequence=jax.tree_util.tree_map(lambda _: None, inputs.sequence),
+                      rng=None, score_mod_args=tuple(jnp.zeros_like(a) for a in inputs.score_mod_args))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(backend, config, inputs):
+    return forward(backend, config, inputs, training=False)[0]
+
+
+def _attend_fwd(backend, config, inputs):
+    out, lse = forward(backend, config, inputs, training=True)
+    return out, (inputs, out, lse)
+
+
+def _attend_bwd(backend, config, residuals, d_out):
+    inputs, out, lse = residuals
+    return (backward(backend, config, inputs, out, lse, d_out),)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend_with_lse(backend, config, inputs):
+    return forward(backend, config, inputs, training=True)
+
+
+def _attend_with_lse_fwd(backend, config, inputs):
+    out, lse = forward(backend, config, inputs, training=True)
+    return (out, lse), (inputs, out, lse)
+
+
+def _attend_with_lse_bwd(backend, config, residuals, cotangents):
+    # The caller stops the LSE's gradient: only the output's cotangent is non-zero.
+    inputs, out, lse = residuals
+    return (backward(backend, config, inputs, out, lse, cotangents[0]),)
+
+
+_attend_with_lse.defvjp(_attend_with_lse_fwd, _attend_with_lse_bwd)

@@ -1,0 +1,562 @@
+"""Context parallelism: q, k, v split along the sequence over one mesh axis.
+
+``fused_attn(q, k, v, ..., context_parallel=ContextParallel(axis="cp"))`` with
+q, k, v sharded along their sequence dimension over mesh axis ``cp`` (n
+devices). Each device keeps its query tokens; two strategies bring it the keys:
+
+* ``"ring"``: kv blocks travel around the ring with `ppermute`, the next
+  block's transfer issued before this block's kernel so XLA overlaps them.
+  The backward sends kv around again, with the kv gradients travelling along
+  and arriving home after the last step.
+* ``"allgather"``: kv is all-gathered once (one collective, n times the kv
+  memory); the backward reduce-scatters the kv gradients. Cheapest for short
+  rings and small kv (GQA).
+
+Every step runs the chosen backend's own kernels (`backends/native_call.py`
+for the native ones) and returns the log-sum-exp; partial outputs merge
+exactly through it, and the backward reuses the merged (out, lse), so each
+step's kernel computes its exact share of the gradient.
+
+Causal masks are load-balanced with a zig-zag order: the sequence is cut into
+2n halves and device r computes halves r and 2n-1-r, so every device does the
+same work at every step. fusedattn moves the halves itself (one `ppermute`
+each way); the caller's tokens stay in natural order.
+
+Batch and head splits over other mesh axes combine with it: the shard_map is
+manual over the sequence axis and over the axes that split batch and heads,
+read from q's sharding type (Explicit mesh axes) or given as
+``ContextParallel(batch_axes=..., head_axes=...)``, so each device runs its
+kernels on its own batch / head / sequence shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from .config import AttnConfig
+from .partitioning import shard_index
+
+STRATEGIES = ("ring", "allgather")
+F32 = jnp.float32
+NEG_INF = -jnp.inf
+# Stands for "no visible key" in the statistics given to a backward kernel:
+# exp(s - BIG) is 0 for every finite logit, where -inf would give inf - inf.
+_EMPTY_ROW_LSE = 1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """Split the sequence over mesh axis `axis`.
+
+    Args:
+      axis: the mesh axis q, k and v are sharded over along their sequence dimension.
+      strategy: ``"ring"`` (kv blocks passed around, overlapped with compute) or
+        ``"allgather"`` (kv gathered once).
+      mesh: the mesh; None takes the one set with `jax.set_mesh`.
+      load_balance: zig-zag the tokens for causal masks (no effect without one).
+      batch_axes, head_axes: mesh axes that also split q's batch / heads (k, v
+        follow). None: read from q's sharding type where the mesh axes are Explicit,
+        else no split (those dimensions are then gathered over the other axes).
+    """
+    axis: str
+    strategy: str = "ring"
+    mesh: Optional[jax.sharding.Mesh] = None
+    load_balance: bool = True
+    batch_axes: Optional[Tuple[str, ...]] = None
+    head_axes: Optional[Tuple[str, ...]] = None
+
+    def __post_init__(self):
+        if not isinstance(self.axis, str):
+            raise TypeError(f"ContextParallel axis must be a mesh axis name (str), got {self.axis!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"ContextParallel strategy must be one of {STRATEGIES}, got "
+                             f"{self.strategy!r}")
+
+
+# ---- what context parallelism supports ------------------------------------------------
+def config_reason(config: AttnConfig, cp: ContextParallel, n: int) -> Optional[str]:
+    """Why this call cannot be split along the sequence (None: it can)."""
+    zigzag = config.causal and cp.load_balance
+    parts = 2 * n if zigzag else n
+    rules = (
+        (config.layout != "bshd" or config.qkv_packing != "separate",
+         "context parallelism takes separate q, k, v in the bshd layout"),
+        (config.s_q != config.s_kv, f"context parallelism needs s_q == s_kv (got {config.s_q}, "
+                                    f"{config.s_kv})"),
+        (config.s_q % parts, f"sequence {config.s_q} does not split into {parts} equal parts "
+                             f"({'2 x ' if zigzag else ''}{n} devices on axis {cp.axis!r})"),
+        (config.is_packed, "packed (THD) sequences are not split by context parallelism "
+                           "(segments would cross devices); use padding or no split"),
+        (config.window is not None, "sliding windows are not supported with context parallelism"),
+        (config.has_bias, "bias is not supported with context parallelism"),
+        (config.has_dropout, "dropout is not supported with context parallelism"),
+        (config.softmax != "vanilla", "softmax sinks are not supported with context "
+                                      "parallelism (the sink must enter the merge once)"),
+        (config.score_mod is not None, "score_mod is not supported with context parallelism "
+                                       "(it sees positions inside a block)"),
+        (config.bottom_right and config.is_padded,
+         "mask='causal_bottom_right' with padding under context parallelism (use 'causal')"),
+        (cp.strategy == "allgather" and zigzag and config.is_padded,
+         "the allgather strategy with a causal mask and padding (use strategy='ring')"),
+    )
+    return next((why for broken, why in rules if broken), None)
+
+
+def axis_size(cp: ContextParallel) -> int:
+    return _mesh(cp).shape[cp.axis]
+
+
+def _mesh(cp: ContextParallel):
+    mesh = cp.mesh if cp.mesh is not None else jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or cp.axis not in mesh.axis_names:
+        raise ValueError(f"context_parallel axis {cp.axis!r} is not an axis of the mesh "
+                         f"({None if mesh is None or mesh.empty else mesh.axis_names}): pass "
+                         f"ContextParallel(axis, mesh=mesh) or call under jax.set_mesh(mesh)")
+    return mesh
+
+
+def describe(config: AttnConfig, cp: ContextParallel) -> str:
+    """Lines for `explain()`: per-device shapes and the collectives of the plan."""
+    n = axis_size(cp)
+    c = config.s_q // n
+    zigzag = config.causal and cp.load_balance
+    kv_bytes = 2 * config.batch * c * config.h_kv * config.d_qk * 2
+    lines = [f"context parallel over {cp.axis!r} ({n} devices), strategy {cp.strategy}: each "
+             f"device holds sq{c} skv{c} of every sequence"]
+    if zigzag:
+        lines.append(f"  causal load balance: zig-zag halves (r, {2 * n - 1}-r) of {c // 2} tokens; "
+                     f"1 ppermute of q, k, v in and of out back (and of the gradients)")
+    if cp.strategy == "ring":
+        lines.append(f"  forward: {n} steps, {n - 1} ppermutes of k, v (~{kv_bytes / 2**20:.1f} MiB "
+                     f"each) overlapped with the kernels; backward: {n} ppermutes of k, v, dk, dv")
+    else:
+        lines.append(f"  forward: 1 all-gather of k, v ({n} x ~{kv_bytes / 2**20:.1f} MiB); "
+                     f"backward: 1 reduce-scatter of dk, dv")
+    return "\n".join(lines)
+
+
+# ---- the zig-zag order ------------------------------------------------------------------
+def _zigzag_home(j: int, n: int) -> Tuple[int, int]:
+    """(device, slot) that holds half j of 2n in the zig-zag order."""
+    return (j, 0) if j < n else (2 * n - 1 - j, 1)
+
+
+def _move_halves(x, axis: str, n: int, to_zigzag: bool, seq_axis: int = 1):
+    """Natural order (device r holds halves 2r, 2r+1) <-> zig-zag (r holds r, 2n-1-r).
+
+    Two ppermutes. Grouped by the slot the halves leave from (to zig-zag) or arrive
+    in (back), each group is a permutation of the devices; a device looks up in a
+    static table which slot it stores into (to zig-zag) or sends from (back).
+    """
+    h = x.shape[seq_axis] // 2
+    halves = (jax.lax.slice_in_dim(x, 0, h, axis=seq_axis),
+              jax.lax.slice_in_dim(x, h, 2 * h, axis=seq_axis))
+    natural = lambda j: (j // 2, j % 2)  # noqa: E731
+    zigzag = functools.partial(_zigzag_home, n=n)
+    src_of, dst_of = (natural, zigzag) if to_zigzag else (zigzag, natural)
+    me = jax.lax.axis_index(axis)
+    received, other_slot = [], []
+    for group in (0, 1):
+        moves = [(src_of(j), dst_of(j)) for j in range(2 * n)
+                 if (src_of(j) if to_zigzag else dst_of(j))[1] == group]
+        # Per device, the slot at the other end of its move in this group.
+        table = [0] * n
+        for src, dst in moves:
+            if to_zigzag:
+                table[dst[0]] = dst[1]
+            else:
+                table[src[0]] = src[1]
+        slot = jnp.asarray(table)[me]
+        send = halves[group] if to_zigzag else jnp.where(slot == 0, halves[0], halves[1])
+        received.append(jax.lax.ppermute(send, axis, [(src[0], dst[0]) for src, dst in moves]))
+        other_slot.append(slot)
+    if not to_zigzag:
+        return jnp.concatenate(received, axis=seq_axis)
+    # To zig-zag: each device got one half per group, bound for different slots.
+    first = other_slot[0] == 0
+    lo = jnp.where(first, received[0], received[1])
+    hi = jnp.where(first, received[1], received[0])
+    return jnp.concatenate([lo, hi], axis=seq_axis)
+
+
+# ---- blocks: my queries against one device's keys ---------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    config: AttnConfig     # per device: local batch / heads, s_q = s_kv = local tokens
+    axis: str
+    n: int
+    strategy: str
+    zigzag: bool
+    backend: str
+
+    @property
+    def segments(self) -> Tuple[Tuple[int, int], ...]:
+        """Local row ranges that are contiguous in the global sequence."""
+        c = self.config.s_q
+        return ((0, c // 2), (c // 2, c)) if self.zigzag else ((0, c),)
+
+    def segment_start(self, device, index: int):
+        """Global position of local segment `index` on `device`."""
+        c = self.config.s_q
+        if not self.zigzag:
+            return device * c
+        h = c // 2
+        return device * h if index == 0 else (2 * self.n - 1 - device) * h
+
+
+def _kernels(backend: str):
+    """(forward, backward) per-device kernels of `backend` (native_call's contract)."""
+    if backend == "xla":
+        from .backends import xla  # noqa: PLC0415
+        return xla.forward, xla.backward
+    from .backends import native_call  # noqa: PLC0415
+    return (functools.partial(native_call.forward, backend),
+            functools.partial(native_call.backward, backend))
+
+
+def _prefix_len(st: _Static, lengths, device, rows: Tuple[int, int]):
+    """Valid tokens among local `rows` of `device`, per batch row: a prefix of them,
+    since each local segment starts later in the sequence than the one before."""
+    total = 0
+    for i, (a, b) in enumerate(st.segments):
+        lo, hi = max(a, rows[0]), min(b, rows[1])
+        if lo < hi:
+            start = st.segment_start(device, i) + (lo - a)
+            total = total + jnp.clip(lengths - start, 0, hi - lo)
+    return jnp.asarray(total, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """One kernel call: local query rows against rows of a kv block."""
+    q_rows: Tuple[int, int]
+    kv_rows: Tuple[int, int]
+    mask: str               # "none", "causal", "causal_bottom_right"; "skip": nothing visible
+
+
+def _ring_cases(st: _Static) -> Tuple[_Block, ...]:
+    """Blocks for kv from device src, indexed by `_ring_case`: src == r, src < r, src > r."""
+    c = st.config.s_q
+    if not st.config.causal:
+        return (_Block((0, c), (0, c), "none"),)
+    if not st.zigzag:
+        return (_Block((0, c), (0, c), "causal"), _Block((0, c), (0, c), "none"),
+                _Block((0, 0), (0, 0), "skip"))
+    h = c // 2
+    # src < r: both my halves see src's first half only; src > r: my second half sees both.
+    return (_Block((0, c), (0, c), "causal"), _Block((0, c), (0, h), "none"),
+            _Block((h, c), (0, c), "none"))
+
+
+def _ring_case(st: _Static, r, src):
+    if not st.config.causal:
+        return jnp.int32(0)
+    return jnp.where(src == r, 0, jnp.where(src < r, 1, 2)).astype(jnp.int32)
+
+
+def _block_call(st: _Static, block: _Block, q_len, kv_len):
+    """The block's config and its length arrays ([b] q and kv valid prefixes)."""
+    from .backends.base import AttnInputs  # noqa: PLC0415
+    from .sequence import SequenceDescriptor  # noqa: PLC0415
+    cfg = dataclasses.replace(
+        st.config, s_q=block.q_rows[1] - block.q_rows[0], s_kv=block.kv_rows[1] - block.kv_rows[0],
+        mask=block.mask, sequence="padding" if (st.config.is_padded or
+                                                block.mask == "causal_bottom_right") else "dense")
+
+    def inputs(q, k, v):
+        seq = SequenceDescriptor.from_lengths(q_len, kv_len) if cfg.is_padded else None
+        return AttnInputs(q=q, k=k, v=v, sequence=seq)
+    return cfg, inputs
+
+
+def _rows(x, rows, axis=1):
+    return jax.lax.slice_in_dim(x, rows[0], rows[1], axis=axis)
+
+
+def _pad_rows(x, rows, size, axis=1, value=0.0):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (rows[0], size - rows[1])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _block_forward(st: _Static, block: _Block, q, k, v, q_len, kv_len):
+    """(out fp32 [b, c, h, d_v], lse [b, h, c]) over all local rows: 0 / -inf on rows
+    that see no key of this block."""
+    c, b = st.config.s_q, q.shape[0]
+    if block.mask == "skip":
+        return (jnp.zeros(q.shape[:3] + (v.shape[-1],), F32),
+                jnp.full((b, q.shape[2], c), NEG_INF, F32))
+    cfg, make = _block_call(st, block, q_len, kv_len)
+    out, lse = _kernels(st.backend)[0](
+        cfg, make(_rows(q, block.q_rows), _rows(k, block.kv_rows), _rows(v, block.kv_rows)), True)
+    rows = block.q_rows[1] - block.q_rows[0]
+    seen = (jnp.arange(rows)[None, :] < q_len[:, None]) & (kv_len[:, None] > 0)  # [b, rows]
+    out = jnp.where(seen[:, :, None, None], out.astype(F32), 0.0)
+    lse = jnp.where(seen[:, None, :], lse, NEG_INF)
+    return _pad_rows(out, block.q_rows, c), _pad_rows(lse, block.q_rows, c, 2, NEG_INF)
+
+
+def _block_backward(st: _Static, block: _Block, q, k, v, out, lse, d_out, q_len, kv_len):
+    """fp32 (dq [b, c, ..], dk, dv [b, c, ..]) of this block given the merged out / lse."""
+    c = st.config.s_q
+    zeros = lambda x: jnp.zeros(x.shape, F32)  # noqa: E731
+    if block.mask == "skip":
+        return zeros(q), zeros(k), zeros(v)
+    cfg, make = _block_call(st, block, q_len, kv_len)
+    qr, kr = block.q_rows, block.kv_rows
+    lse = jnp.where(lse == NEG_INF, _EMPTY_ROW_LSE, lse)
+    grads = _kernels(st.backend)[1](
+        cfg, make(_rows(q, qr), _rows(k, kr), _rows(v, kr)), _rows(out, qr), _rows(lse, qr, 2),
+        _rows(d_out, qr))
+    kv_c = k.shape[1]
+    return (_pad_rows(grads.q.astype(F32), qr, c), _pad_rows(grads.k.astype(F32), kr, kv_c),
+            _pad_rows(grads.v.astype(F32), kr, kv_c))
+
+
+def _switch(st: _Static, index, fn, *arrays):
+    """fn(block, st, *arrays) for the ring case `index` selects."""
+    cases = _ring_cases(st)
+    if len(cases) == 1:
+        return fn(cases[0], st, *arrays)
+    return jax.lax.switch(index, [functools.partial(fn, case, st) for case in cases], *arrays)
+
+
+def _merge(acc, part):
+    """Exact merge of two partial softmax results through their LSEs."""
+    o_a, l_a = acc
+    o_b, l_b = part
+    lse = jnp.logaddexp(l_a, l_b)
+    safe = jnp.where(lse == NEG_INF, 0.0, lse)
+    to_o = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # noqa: E731 [b, h, c] -> [b, c, h, 1]
+    return o_a * to_o(jnp.exp(l_a - safe)) + o_b * to_o(jnp.exp(l_b - safe)), lse
+
+
+# ---- ring --------------------------------------------------------------------------------
+def _shift(x, st: _Static):
+    """Send to the next device of the ring (device r receives from r - 1)."""
+    return jax.lax.ppermute(x, st.axis, [(i, (i + 1) % st.n) for i in range(st.n)])
+
+
+def _ring_forward(st: _Static, q, k, v, q_len, kv_len):
+    r = jax.lax.axis_index(st.axis)
+    acc = None
+    for t in range(st.n):
+        # Issue the next block's transfer before this block's kernel: XLA overlaps them.
+        nxt = _shift((k, v), st) if t < st.n - 1 else None
+        src = (r - t) % st.n
+        part = _switch(st, _ring_case(st, r, src), _ring_block_fwd, q, k, v, q_len, kv_len, r, src)
+        acc = part if acc is None else _merge(acc, part)
+        if nxt is not None:
+            k, v = nxt
+    return acc
+
+
+def _ring_block_fwd(block, st, q, k, v, q_len, kv_len, r, src):
+    ql = _prefix_len(st, q_len, r, block.q_rows)
+    kl = _prefix_len(st, kv_len, src, block.kv_rows)
+    return _block_forward(st, block, q, k, v, ql, kl)
+
+
+def _ring_block_bwd(block, st, q, k, v, out, lse, d_out, q_len, kv_len, r, src):
+    ql = _prefix_len(st, q_len, r, block.q_rows)
+    kl = _prefix_len(st, kv_len, src, block.kv_rows)
+    return _block_backward(st, block, q, k, v, out, lse, d_out, ql, kl)
+
+
+def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len):
+    r = jax.lax.axis_index(st.axis)
+    dq = jnp.zeros(q.shape, F32)
+    dk, dv = jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)
+    for t in range(st.n):
+        nxt = _shift((k, v), st) if t < st.n - 1 else None
+        src = (r - t) % st.n
+        g = _switch(st, _ring_case(st, r, src), _ring_block_bwd, q, k, v, out, lse, d_out,
+                    q_len, kv_len, r, src)
+        dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+        # The kv gradients travel with their block; after the last step one more hop
+        # takes them home (device r holds block r + 1's then).
+        dk, dv = _shift((dk, dv), st)
+        if nxt is not None:
+            k, v = nxt
+    return dq, dk, dv
+
+
+# ---- all-gather ------------------------------------------------------------------------------
+def _gather_blocks(st: _Static, r):
+    """Per local segment: (rows, its causal kv prefix length or None for no mask)."""
+    if not st.config.causal:
+        return [((0, st.config.s_q), None)]
+    return [((a, b), st.segment_start(r, i) + (b - a)) for i, (a, b) in enumerate(st.segments)]
+
+
+def _gather_forward(st: _Static, q, k_all, v_all, q_len, kv_len):
+    r = jax.lax.axis_index(st.axis)
+    outs, lses = [], []
+    total = k_all.shape[1]
+    for rows, prefix in _gather_blocks(st, r):
+        block = _Block(rows, (0, total), "none" if prefix is None else "causal_bottom_right")
+        ql = _prefix_len(st, q_len, r, rows)
+        kl = jnp.clip(kv_len, 0, total) if prefix is None else jnp.broadcast_to(prefix, ql.shape)
+        out, lse = _block_forward(st, block, q, k_all, v_all, ql, kl.astype(jnp.int32))
+        outs.append(out)
+        lses.append(lse)
+    return functools.reduce(_merge, zip(outs, lses))
+
+
+def _gather_backward(st: _Static, q, k_all, v_all, out, lse, d_out, q_len, kv_len):
+    r = jax.lax.axis_index(st.axis)
+    dq = jnp.zeros(q.shape, F32)
+    dk, dv = jnp.zeros(k_all.shape, F32), jnp.zeros(v_all.shape, F32)
+    total = k_all.shape[1]
+    for rows, prefix in _gather_blocks(st, r):
+        block = _Block(rows, (0, total), "none" if prefix is None else "causal_bottom_right")
+        ql = _prefix_len(st, q_len, r, rows)
+        kl = jnp.clip(kv_len, 0, total) if prefix is None else jnp.broadcast_to(prefix, ql.shape)
+        g = _block_backward(st, block, q, k_all, v_all, out, lse, d_out, ql, kl.astype(jnp.int32))
+        dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+    return dq, _reduce_scatter(dk, st, r), _reduce_scatter(dv, st, r)
+
+
+def _reduce_scatter(x, st: _Static, r):
+    """Sum over the ring of x [b, n * c, ..]; device r keeps chunk r. A ring of n - 1
+    ppermutes (the bandwidth of a reduce-scatter; lax.psum_scatter fails to lower
+    inside a shard_map over part of an Explicit mesh in JAX 0.10)."""
+    c = x.shape[1] // st.n
+    chunk = lambda i: jax.lax.dynamic_slice_in_dim(x, (i % st.n) * c, c, axis=1)  # noqa: E731
+    buf = chunk(r - 1)
+    for t in range(st.n - 1):
+        buf = _shift(buf, st) + chunk(r - t - 2)
+    return buf
+
+
+# ---- the differentiable per-device function ------------------------------------------------
+def _to_zigzag(st: _Static, x):
+    return _move_halves(x, st.axis, st.n, True) if st.zigzag else x
+
+
+def _from_zigzag(st: _Static, x):
+    return _move_halves(x, st.axis, st.n, False) if st.zigzag else x
+
+
+def _forward(st: _Static, q, k, v, q_len, kv_len):
+    """(out in q's dtype, lse [b, h, c]) in natural order, and the residuals."""
+    zq = _to_zigzag(st, q)
+    if st.strategy == "ring":
+        zk, zv = _to_zigzag(st, k), _to_zigzag(st, v)
+        out, lse = _ring_forward(st, zq, zk, zv, q_len, kv_len)
+    else:
+        zk = jax.lax.all_gather(k, st.axis, axis=1, tiled=True)
+        zv = jax.lax.all_gather(v, st.axis, axis=1, tiled=True)
+        out, lse = _gather_forward(st, zq, zk, zv, q_len, kv_len)
+    out = out.astype(q.dtype)
+    return out, lse, (zq, zk, zv, out, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(st: _Static, q, k, v, q_len, kv_len):
+    out, _, _ = _forward(st, q, k, v, q_len, kv_len)
+    return _from_zigzag(st, out)
+
+
+def _attend_fwd(st, q, k, v, q_len, kv_len):
+    out, _, res = _forward(st, q, k, v, q_len, kv_len)
+    return _from_zigzag(st, out), (res, q_len, kv_len)
+
+
+def _attend_bwd(st, residuals, d_out):
+    (zq, zk, zv, out, lse), q_len, kv_len = residuals
+    zd = _to_zigzag(st, d_out.astype(out.dtype))
+    if st.strategy == "ring":
+        dq, dk, dv = _ring_backward(st, zq, zk, zv, out, lse, zd, q_len, kv_len)
+        dk, dv = _from_zigzag(st, dk), _from_zigzag(st, dv)
+    else:
+        dq, dk, dv = _gather_backward(st, zq, zk, zv, out, lse, zd, q_len, kv_len)
+    dq = _from_zigzag(st, dq)
+    return (dq.astype(zq.dtype), dk.astype(zk.dtype), dv.astype(zv.dtype), None, None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+# ---- the public entry (called by fused_attn) ---------------------------------------------
+def block_configs(config: AttnConfig, cp: ContextParallel, n: int) -> Tuple[AttnConfig, ...]:
+    """Every config a device's kernels run under this split (at the global batch/heads)."""
+    local = dataclasses.replace(config, s_q=config.s_q // n, s_kv=config.s_kv // n)
+    st = _Static(local, cp.axis, n, cp.strategy, config.causal and cp.load_balance, "xla")
+    if cp.strategy == "ring":
+        blocks = [b for b in _ring_cases(st) if b.mask != "skip"]
+    else:
+        blocks = [_Block(rows, (0, config.s_kv), "none" if prefix is None else "causal_bottom_right")
+                  for rows, prefix in _gather_blocks(st, 0)]
+    return tuple(dict.fromkeys(_block_call(st, b, None, None)[0] for b in blocks))
+
+
+def plan_reason(config: AttnConfig, cp: ContextParallel, backend) -> Optional[str]:
+    """Why `backend` cannot run this split (None: it can)."""
+    n = axis_size(cp)
+    why = config_reason(config, cp, n)
+    if why is not None:
+        return why
+    for cfg in block_configs(config, cp, n):
+        why = backend.supports(cfg)
+        if why is not None:
+            return f"a block ({cfg.short()}): {why}"
+    return None
+
+
+def attention(config: AttnConfig, inputs, cp: ContextParallel, backend: str) -> jax.Array:
+    """fused_attn with the sequence split over `cp.axis`, on `backend`'s kernels."""
+    mesh = _mesh(cp)
+    n = mesh.shape[cp.axis]
+    why = config_reason(config, cp, n)
+    if why is not None:
+        raise ValueError(f"context_parallel: {why}")
+    b = config.batch
+    seq = inputs.sequence
+    q_len = seq.q_lengths if config.is_padded else jnp.full((b,), config.s_q, jnp.int32)
+    kv_len = seq.kv_lengths if config.is_padded else jnp.full((b,), config.s_kv, jnp.int32)
+    zigzag = config.causal and cp.load_balance
+    batch, heads = _other_axes(config, inputs.q, cp, mesh)
+    entry = lambda axes: None if not axes else axes  # noqa: E731
+    spec = PartitionSpec(entry(batch), cp.axis, entry(heads))
+    lengths = PartitionSpec()  # tiny: every device slices its batch rows
+
+    def per_device(q, k, v, q_len, kv_len):
+        local = dataclasses.replace(config, batch=q.shape[0], h_q=q.shape[2], h_kv=k.shape[2],
+                                    s_q=q.shape[1], s_kv=k.shape[1])
+        if batch:
+            start = shard_index(batch, dict(mesh.shape)) * local.batch
+            q_len, kv_len = (jax.lax.dynamic_slice_in_dim(x, start, local.batch)
+                             for x in (q_len, kv_len))
+        st = _Static(local, cp.axis, n, cp.strategy, zigzag, backend)
+        return _attend(st, q, k, v, q_len.astype(jnp.int32), kv_len.astype(jnp.int32))
+
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, lengths, lengths),
+                       out_specs=spec, axis_names=frozenset((cp.axis,) + batch + heads),
+                       check_vma=False)
+    return fn(inputs.q, inputs.k, inputs.v, q_len, kv_len)
+
+
+def _other_axes(config: AttnConfig, q, cp: ContextParallel, mesh):
+    """(batch axes, head axes) the shard_map splits besides the sequence axis."""
+    batch, heads = cp.batch_axes, cp.head_axes
+    if batch is None or heads is None:
+        spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", None) or ())
+        spec = spec + (None,) * (4 - len(spec))
+        as_tuple = lambda e: () if e is None else tuple(e) if isinstance(e, tuple) else (e,)  # noqa: E731
+        batch = as_tuple(spec[0]) if batch is None else batch
+        heads = as_tuple(spec[2]) if heads is None else heads
+    batch, heads = tuple(batch), tuple(heads)
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+    if config.batch % size(batch):
+        raise ValueError(f"context_parallel: batch {config.batch} does not split over {batch}")
+    if config.h_kv % size(heads):
+        raise ValueError(f"context_parallel: heads split over {heads} ({size(heads)} ways) must "
+                         f"divide h_kv={config.h_kv}")
+    return batch, heads

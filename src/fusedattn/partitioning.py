@@ -1,0 +1,267 @@
+"""The one partitioning rule of every native attention call.
+
+XLA sees an FFI call as opaque: without a rule it gathers the operands onto
+every device. This module says, from the `AttnConfig` alone, what each
+dimension of each operand and result *is* (its role), and from the shardings
+the partitioner proposes, which mesh axes split the call:
+
+* ``b``: batch (for small-seq, the tokens) and ``h``/``k``: query / kv heads
+  split with no collective; every operand carrying them follows (kv heads
+  under GQA, bias, softmax offsets, sequence descriptor arrays, the LSE).
+* ``s``/``t`` (query / key tokens) and head dims stay whole: splitting the
+  sequence is context parallelism (`fusedattn.context_parallel`), a different
+  algorithm, not a partitioning of one call.
+
+A sharding the rule cannot honour without moving data gets the cheapest
+correct plan (the partitioner gathers only what the rule must have whole),
+and `Split.notes` says what moved and why; `explain()` prints it. The rule
+knows nothing about any backend: `backends/native_call.py` applies it to the
+cudnn, small_seq and ck calls alike.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Mapping, Optional, Sequence, Tuple
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from .config import AttnConfig
+
+# Roles a dimension can have. None: nothing to split (kept whole).
+BATCH, Q_HEADS, KV_HEADS, Q_TOKENS, KV_TOKENS = "b", "h", "k", "s", "t"
+# Small-seq packed kv offsets [n + 1]: kept whole; each device reads its slice.
+OFFSETS = "o"
+SPLIT_ROLES = (BATCH, Q_HEADS, KV_HEADS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """The roles of one array's dimensions (a pytree leaf, unlike a plain tuple)."""
+    roles: Tuple[Optional[str], ...]
+
+    def __len__(self) -> int:
+        return len(self.roles)
+
+    def covers(self, role: str) -> bool:
+        """Does the array carry `role` (kv heads carry the query heads' split)?"""
+        return role in self.roles or (role == Q_HEADS and KV_HEADS in self.roles)
+
+
+def _tensor(config: AttnConfig, heads: str, tokens: str, packed: bool = False) -> Dims:
+    """[b, s, (n,) h, d] in the config's layout (n: the packing dimension)."""
+    lead = (tokens, BATCH) if config.layout == "sbhd" else (BATCH, tokens)
+    return Dims(lead + ((None,) if packed else ()) + (heads, None))
+
+
+def input_dims(config: AttnConfig, inputs):
+    """An `AttnInputs` of `Dims` for the arrays `inputs` holds (None where it has none).
+
+    ``inputs.rng`` is expected as raw bits (a uint32 vector), as native calls take it.
+    """
+    from .backends.base import AttnInputs  # noqa: PLC0415 - base imports this module's users
+    ragged = config.sequence == "ragged"
+    q = _tensor(config, Q_HEADS if config.qkv_packing != "qkv" else KV_HEADS, Q_TOKENS,
+                packed=config.qkv_packing == "qkv")
+    kv = _tensor(config, KV_HEADS, KV_TOKENS, packed=config.qkv_packing == "kv")
+    if ragged:  # packed keys [total, h, d]: not split by token shards
+        kv = Dims((KV_TOKENS, KV_HEADS, None))
+    bias = None
+    if config.has_bias:
+        bb, hb = config.bias_shape[:2]
+        bias = Dims((BATCH if bb > 1 else None, Q_HEADS if hb > 1 else None, None, None))
+    seq = inputs.sequence
+    if seq is not None:
+        def field(name, x):
+            if x is None:
+                return None
+            if ragged and name == "kv_offsets":
+                return Dims((OFFSETS,))
+            return Dims((BATCH,) + (None,) * (x.ndim - 1))
+        seq = type(seq)(seq.kind, seq.max_segments,
+                        **{n: field(n, getattr(seq, n)) for n in type(seq)._FIELDS})
+    return AttnInputs(
+        q=q, k=None if inputs.k is None else kv, v=None if inputs.v is None else kv, bias=bias,
+        softmax_offset=None if inputs.softmax_offset is None else Dims((Q_HEADS,)),
+        sequence=seq, rng=None if inputs.rng is None else Dims((None,)),
+        score_mod_args=tuple(Dims((None,) * len(s)) for s, _ in config.score_mod_arg_specs))
+
+
+def output_dims(config: AttnConfig) -> Dims:
+    """The attention output [b, s_q, h_q, d_v] (sbhd: [s_q, b, ..])."""
+    return _tensor(config, Q_HEADS, Q_TOKENS)
+
+
+LSE_DIMS = Dims((BATCH, Q_HEADS, Q_TOKENS))  # fp32 [b, h_q, s_q], the contract's shape
+
+
+def summed_roles(dims: Dims) -> Tuple[str, ...]:
+    """Split roles a gradient does not carry: each device holds a partial sum over them
+    (a bias broadcast over the batch, the per-head sink over the batch, packed keys
+    over token shards)."""
+    return tuple(r for r in (BATCH, Q_HEADS) if not dims.covers(r))
+
+
+# ---- deciding the split -------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """Which mesh axes split the call, and what the plan had to gather and why."""
+    batch: Tuple[str, ...] = ()
+    heads: Tuple[str, ...] = ()
+    notes: Tuple[str, ...] = ()
+
+    def axes(self, role: Optional[str]) -> Tuple[str, ...]:
+        if role == BATCH:
+            return self.batch
+        if role in (Q_HEADS, KV_HEADS):
+            return self.heads
+        return ()
+
+    def spec(self, dims: Dims) -> PartitionSpec:
+        return PartitionSpec(*(_entry(self.axes(r)) for r in dims.roles))
+
+    @property
+    def trivial(self) -> bool:
+        return not self.batch and not self.heads
+
+
+def _entry(axes: Tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _axes(entry) -> Tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def spec_axes(spec: Optional[PartitionSpec], ndim: int) -> Tuple[Tuple[str, ...], ...]:
+    """Per dimension, the mesh axes a PartitionSpec splits it over."""
+    entries = tuple(spec) if spec is not None else ()
+    entries = entries + (None,) * (ndim - len(entries))
+    return tuple(_axes(e) for e in entries)
+
+
+def decide(config: AttnConfig, mesh_shape: Mapping[str, int],
+           arrays: Sequence[Tuple[str, Dims, Optional[PartitionSpec]]]) -> Split:
+    """The split for operands named and shaped as `arrays` ((name, dims, spec) each).
+
+    The batch and head splits are read off the first operand (q); an axis that
+    does not divide its dimension, or a split of a dimension the call needs
+    whole, is dropped and named in the notes (the partitioner then gathers it).
+    """
+    notes = []
+    size = lambda axes: math.prod(mesh_shape[a] for a in axes)  # noqa: E731
+    q_name, q_dims, q_spec = arrays[0]
+    q_axes = dict(zip(q_dims.roles, spec_axes(q_spec, len(q_dims))))
+    batch = q_axes.get(BATCH, ())
+    if batch and config.batch % size(batch):
+        notes.append(f"batch {config.batch} does not divide over {batch} ({size(batch)} devices): "
+                     f"gathered")
+        batch = ()
+    heads = q_axes.get(Q_HEADS, q_axes.get(KV_HEADS, ()))
+    if heads:
+        n = size(heads)
+        if config.h_q % n or config.h_kv % n:
+            notes.append(f"heads split {n} ways over {heads}, but h_q={config.h_q}, "
+                         f"h_kv={config.h_kv}: each device needs whole kv heads, so heads are "
+                         f"gathered (split heads by a divisor of h_kv)")
+            heads = ()
+    split = Split(batch, heads)
+    for name, dims, spec in arrays:
+        for role, axes in zip(dims.roles, spec_axes(spec, len(dims))):
+            kept = split.axes(role) if role in SPLIT_ROLES else ()
+            moved = tuple(a for a in axes if a not in kept)
+            if moved:
+                notes.append(f"{name}: {_role_name(role)} split over {moved} is gathered"
+                             + _why(role, moved))
+    return Split(batch, heads, tuple(dict.fromkeys(notes)))
+
+
+def _role_name(role: Optional[str]) -> str:
+    return {BATCH: "batch", Q_HEADS: "query heads", KV_HEADS: "kv heads",
+            Q_TOKENS: "query sequence", KV_TOKENS: "key sequence",
+            OFFSETS: "kv offsets"}.get(role, "head dim / other")
+
+
+def _why(role: Optional[str], axes) -> str:
+    if role in (Q_TOKENS, KV_TOKENS):
+        axis = axes[0] if len(axes) == 1 else axes
+        return (f" (one attention call needs whole sequences; to split them use "
+                f"context_parallel=ContextParallel(axis={axis!r}))")
+    if role == OFFSETS or role is None:
+        return " (the call reads it whole)"
+    return " (it must follow q's split)"
+
+
+def local_config(config: AttnConfig, split: Split, mesh_shape: Mapping[str, int]) -> AttnConfig:
+    """The config one device runs: batch and heads divided by their splits."""
+    nb = math.prod(mesh_shape[a] for a in split.batch)
+    nh = math.prod(mesh_shape[a] for a in split.heads)
+    if nb == nh == 1:
+        return config
+    bias = config.bias_shape
+    if bias is not None:
+        bias = (bias[0] // nb if bias[0] > 1 else 1, bias[1] // nh if bias[1] > 1 else 1) + bias[2:]
+    return dataclasses.replace(config, batch=config.batch // nb, h_q=config.h_q // nh,
+                               h_kv=config.h_kv // nh, bias_shape=bias)
+
+
+def shard_index(axes: Tuple[str, ...], mesh_shape: Mapping[str, int]) -> jax.Array:
+    """This device's index along the product of `axes` (major to minor), inside a
+    partitioned function."""
+    index = 0
+    for a in axes:
+        index = index * mesh_shape[a] + jax.lax.axis_index(a)
+    return index
+
+
+# ---- explain(): the distributed plan --------------------------------------------------
+def describe(config: AttnConfig, mesh_shape: Mapping[str, int], split: Split,
+             backend: str) -> str:
+    """Lines for `explain()`: the split, per-device shapes and the collectives."""
+    local = local_config(config, split, mesh_shape)
+    lines = [f"sharding over mesh {dict(mesh_shape)}:"]
+    if split.trivial:
+        lines.append("  no batch or head split: every device runs the whole call")
+    else:
+        lines.append(f"  batch split over {split.batch or '-'}, heads over {split.heads or '-'}; "
+                     f"each device runs b{local.batch} h{local.h_q}/{local.h_kv} "
+                     f"(sq{local.s_q} skv{local.s_kv})")
+    if backend == "xla":
+        lines.append("  collectives: XLA partitions the pure-JAX backend itself")
+    else:
+        summed = [r for r in (BATCH, Q_HEADS) if split.axes(r)]
+        grads = []
+        if config.has_bias and summed:
+            bb, hb = config.bias_shape[:2]
+            if (bb == 1 and split.batch) or (hb == 1 and split.heads):
+                grads.append("bias gradient (bias broadcast over a split axis)")
+        if config.softmax == "learnable" and split.batch:
+            grads.append("softmax_offset gradient (summed over batch shards)")
+        if config.sequence == "ragged" and split.batch:
+            grads.append("packed k/v gradients (every token shard writes its rows)")
+        lines.append("  collectives: none in the forward; "
+                     + ("all-reduce of the " + ", ".join(grads) + " in the backward"
+                        if grads else "none in the backward"))
+    if config.has_dropout and not split.trivial and backend != "xla":
+        lines.append("  dropout: each shard draws its mask from the key folded with its shard "
+                     "index, so masks differ from the unsharded call's (same rate, "
+                     "independent per shard)")
+    lines += [f"  gathered: {n}" for n in split.notes]
+    return "\n".join(lines)
+
+
+def named_specs(arrays) -> Optional[Tuple[Dict[str, int], list]]:
+    """(mesh shape, specs) of arrays that carry NamedShardings (concrete arrays or
+    ShapeDtypeStructs with sharding=), else None."""
+    mesh, specs = None, []
+    for x in arrays:
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            mesh = mesh or dict(sharding.mesh.shape)
+            specs.append(sharding.spec)
+        else:
+            specs.append(None)
+    return (mesh, specs) if mesh else None
