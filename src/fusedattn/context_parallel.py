@@ -37,6 +37,7 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from .config import AttnConfig
@@ -60,6 +61,10 @@ class ContextParallel:
         ``"allgather"`` (kv gathered once).
       mesh: the mesh; None takes the one set with `jax.set_mesh`.
       load_balance: zig-zag the tokens for causal masks (no effect without one).
+      reorder: with load balancing, move the halves into zig-zag order and back
+        (2 ppermutes per tensor). False: the caller's tokens are already in zig-zag
+        order along the axis (`zigzag_order`), which saves those moves and their
+        copies; outputs and gradients then stay in that order.
       batch_axes, head_axes: mesh axes that also split q's batch / heads (k, v
         follow). None: read from q's sharding type where the mesh axes are Explicit,
         else no split (those dimensions are then gathered over the other axes).
@@ -70,6 +75,7 @@ class ContextParallel:
     load_balance: bool = True
     batch_axes: Optional[Tuple[str, ...]] = None
     head_axes: Optional[Tuple[str, ...]] = None
+    reorder: bool = True
 
     def __post_init__(self):
         if not isinstance(self.axis, str):
@@ -174,7 +180,14 @@ def _move_halves(x, axis: str, n: int, to_zigzag: bool, seq_axis: int = 1):
                 table[src[0]] = src[1]
         slot = jnp.asarray(table)[me]
         send = halves[group] if to_zigzag else jnp.where(slot == 0, halves[0], halves[1])
-        received.append(jax.lax.ppermute(send, axis, [(src[0], dst[0]) for src, dst in moves]))
+        # Halves that stay on their device are not sent (with n = 2, half of them).
+        perm = [(src[0], dst[0]) for src, dst in moves if src[0] != dst[0]]
+        stays = jnp.asarray([False] * n)
+        for src, dst in moves:
+            if src[0] == dst[0]:
+                stays = stays.at[src[0]].set(True)
+        moved = jax.lax.ppermute(send, axis, perm) if perm else send
+        received.append(jnp.where(stays[me], send, moved) if perm and len(perm) < n else moved)
         other_slot.append(slot)
     if not to_zigzag:
         return jnp.concatenate(received, axis=seq_axis)
@@ -194,6 +207,7 @@ class _Static:
     strategy: str
     zigzag: bool
     backend: str
+    reorder: bool = True   # move tokens into zig-zag order and back (else they are)
 
     @property
     def segments(self) -> Tuple[Tuple[int, int], ...]:
@@ -372,15 +386,18 @@ def _ring_block_bwd(block, st, q, k, v, out, lse, d_out, q_len, kv_len, r, src):
 def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len):
     r = jax.lax.axis_index(st.axis)
     dq = jnp.zeros(q.shape, F32)
-    dk, dv = jnp.zeros(k.shape, F32), jnp.zeros(v.shape, F32)
+    dk, dv = jnp.zeros_like(k), jnp.zeros_like(v)
     for t in range(st.n):
         nxt = _shift((k, v), st) if t < st.n - 1 else None
         src = (r - t) % st.n
         g = _switch(st, _ring_case(st, r, src), _ring_block_bwd, q, k, v, out, lse, d_out,
                     q_len, kv_len, r, src)
-        dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
-        # The kv gradients travel with their block; after the last step one more hop
+        dq = dq + g[0]
+        # The kv gradients travel with their block, in k's dtype (half the bytes of
+        # fp32; one rounding per hop, n in all); after the last step one more hop
         # takes them home (device r holds block r + 1's then).
+        dk = (dk.astype(F32) + g[1]).astype(k.dtype)
+        dv = (dv.astype(F32) + g[2]).astype(v.dtype)
         dk, dv = _shift((dk, dv), st)
         if nxt is not None:
             k, v = nxt
@@ -420,7 +437,19 @@ def _gather_backward(st: _Static, q, k_all, v_all, out, lse, d_out, q_len, kv_le
         kl = jnp.clip(kv_len, 0, total) if prefix is None else jnp.broadcast_to(prefix, ql.shape)
         g = _block_backward(st, block, q, k_all, v_all, out, lse, d_out, ql, kl.astype(jnp.int32))
         dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+    if st.zigzag and not st.reorder:  # back to the callers' (zig-zag) token order
+        order = zigzag_order(k_all.shape[1], st.n)
+        dk, dv = jnp.take(dk, order, axis=1), jnp.take(dv, order, axis=1)
     return dq, _reduce_scatter(dk, st, r), _reduce_scatter(dv, st, r)
+
+
+def _gathered_in_natural_order(st: _Static, x):
+    """All-gather along the sequence; tokens given in zig-zag order are put back in
+    natural order (a local gather), since the blocks address kv by position."""
+    full = jax.lax.all_gather(x, st.axis, axis=1, tiled=True)
+    if st.zigzag and not st.reorder:
+        full = jnp.take(full, np.argsort(zigzag_order(full.shape[1], st.n)), axis=1)
+    return full
 
 
 def _reduce_scatter(x, st: _Static, r):
@@ -437,11 +466,22 @@ def _reduce_scatter(x, st: _Static, r):
 
 # ---- the differentiable per-device function ------------------------------------------------
 def _to_zigzag(st: _Static, x):
-    return _move_halves(x, st.axis, st.n, True) if st.zigzag else x
+    return _move_halves(x, st.axis, st.n, True) if st.zigzag and st.reorder else x
 
 
 def _from_zigzag(st: _Static, x):
-    return _move_halves(x, st.axis, st.n, False) if st.zigzag else x
+    return _move_halves(x, st.axis, st.n, False) if st.zigzag and st.reorder else x
+
+
+def zigzag_order(seq_len: int, n: int):
+    """Token indices that put a natural-order sequence of `seq_len` into the zig-zag
+    order of n devices (``x[:, zigzag_order(s, n)]``, then shard the sequence over
+    the axis and pass ``ContextParallel(axis, reorder=False)``); `numpy.argsort` of it
+    restores the natural order. Do it once in the data pipeline (with the positions
+    that rotary embeddings use) and the ring needs no reordering moves."""
+    h = seq_len // (2 * n)
+    halves = [j for r in range(n) for j in (r, 2 * n - 1 - r)]
+    return np.concatenate([np.arange(j * h, (j + 1) * h) for j in halves])
 
 
 def _forward(st: _Static, q, k, v, q_len, kv_len):
@@ -451,8 +491,7 @@ def _forward(st: _Static, q, k, v, q_len, kv_len):
         zk, zv = _to_zigzag(st, k), _to_zigzag(st, v)
         out, lse = _ring_forward(st, zq, zk, zv, q_len, kv_len)
     else:
-        zk = jax.lax.all_gather(k, st.axis, axis=1, tiled=True)
-        zv = jax.lax.all_gather(v, st.axis, axis=1, tiled=True)
+        zk, zv = (_gathered_in_natural_order(st, x) for x in (k, v))
         out, lse = _gather_forward(st, zq, zk, zv, q_len, kv_len)
     out = out.astype(q.dtype)
     return out, lse, (zq, zk, zv, out, lse)
@@ -523,6 +562,7 @@ def attention(config: AttnConfig, inputs, cp: ContextParallel, backend: str) -> 
     kv_len = seq.kv_lengths if config.is_padded else jnp.full((b,), config.s_kv, jnp.int32)
     zigzag = config.causal and cp.load_balance
     batch, heads = _other_axes(config, inputs.q, cp, mesh)
+    move = zigzag and cp.reorder
     entry = lambda axes: None if not axes else axes  # noqa: E731
     spec = PartitionSpec(entry(batch), cp.axis, entry(heads))
     lengths = PartitionSpec()  # tiny: every device slices its batch rows
@@ -534,7 +574,7 @@ def attention(config: AttnConfig, inputs, cp: ContextParallel, backend: str) -> 
             start = shard_index(batch, dict(mesh.shape)) * local.batch
             q_len, kv_len = (jax.lax.dynamic_slice_in_dim(x, start, local.batch)
                              for x in (q_len, kv_len))
-        st = _Static(local, cp.axis, n, cp.strategy, zigzag, backend)
+        st = _Static(local, cp.axis, n, cp.strategy, zigzag, backend, move)
         return _attend(st, q, k, v, q_len.astype(jnp.int32), kv_len.astype(jnp.int32))
 
     fn = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, lengths, lengths),

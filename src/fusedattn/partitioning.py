@@ -62,8 +62,8 @@ def input_dims(config: AttnConfig, inputs):
     """
     from .backends.base import AttnInputs  # noqa: PLC0415 - base imports this module's users
     ragged = config.sequence == "ragged"
-    q = _tensor(config, Q_HEADS if config.qkv_packing != "qkv" else KV_HEADS, Q_TOKENS,
-                packed=config.qkv_packing == "qkv")
+    # Packed qkv (h_q == h_kv) is named by its query heads, as the output is.
+    q = _tensor(config, Q_HEADS, Q_TOKENS, packed=config.qkv_packing == "qkv")
     kv = _tensor(config, KV_HEADS, KV_TOKENS, packed=config.qkv_packing == "kv")
     if ragged:  # packed keys [total, h, d]: not split by token shards
         kv = Dims((KV_TOKENS, KV_HEADS, None))
@@ -160,7 +160,7 @@ def decide(config: AttnConfig, mesh_shape: Mapping[str, int],
         notes.append(f"batch {config.batch} does not divide over {batch} ({size(batch)} devices): "
                      f"gathered")
         batch = ()
-    heads = q_axes.get(Q_HEADS, q_axes.get(KV_HEADS, ()))
+    heads = q_axes.get(Q_HEADS, ())
     if heads:
         n = size(heads)
         if config.h_q % n or config.h_kv % n:

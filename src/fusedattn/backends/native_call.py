@@ -30,7 +30,7 @@ from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.custom_partitioning import (ArrayMapping, CompoundFactor, SdyShardingRule,
+from jax.experimental.custom_partitioning import (ArrayMapping, SdyShardingRule,
                                                   custom_partitioning)
 from jax.sharding import NamedSharding
 
@@ -138,36 +138,31 @@ def _fold_shard_into_rng(op: _Op, flat, split: P.Split, shape):
 
 
 def _rule(op, mesh, value_types, result_types):
-    """The Shardy rule: batch and head factors shared by every array that has them;
-    query heads are (kv heads x group) under GQA; tokens and head dims need replication."""
-    group = op.config.h_q // op.config.h_kv
+    """The Shardy rule: batch, query-head and kv-head factors shared by every array that
+    has them; tokens and head dims need replication. Query and kv heads are separate
+    factors: a compound (kv heads x group) would let Shardy split kv heads into
+    sub-axes when heads are split finer than h_kv, which no NamedSharding expresses;
+    the partition callback makes k and v follow q instead."""
     counter = iter(range(10 ** 6))
     own = []
+    factor = {P.BATCH: "b", P.Q_HEADS: "h", P.KV_HEADS: "k", P.Q_TOKENS: "s", P.KV_TOKENS: "t"}
 
     def mapping(dims: P.Dims):
         names = []
         for role in dims.roles:
-            if role == P.BATCH:
-                names.append("b")
-            elif role == P.KV_HEADS:
-                names.append("k")
-            elif role == P.Q_HEADS:
-                names.append(CompoundFactor("k", "g") if group > 1 else "k")
-            elif role in (P.Q_TOKENS, P.KV_TOKENS):
-                names.append(role)
+            if role in factor:
+                names.append(factor[role])
             else:  # a dimension of its own, kept whole
-                name = f"x{next(counter)}"
-                own.append(name)
-                names.append(name)
+                names.append(f"x{next(counter)}")
+                own.append(names[-1])
         return ArrayMapping(*names)
 
     ins = tuple(mapping(d) for d in op.in_dims)
     outs = tuple(mapping(d) for d in op.out_dims)
     # Shardy wants special factors in the order the factors first appear.
-    order = list(dict.fromkeys(n for m in ins + outs for n in m if isinstance(n, str)))
+    order = list(dict.fromkeys(n for m in ins + outs for n in m))
     replicate = tuple(n for n in order if n in ("s", "t", *own))
-    sizes = {"g": group} if group > 1 else {}
-    return SdyShardingRule(ins, outs, need_replication_factors=replicate, **sizes)
+    return SdyShardingRule(ins, outs, need_replication_factors=replicate)
 
 
 _partitioned = custom_partitioning(_body, static_argnums=(0,))

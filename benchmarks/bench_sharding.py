@@ -1,0 +1,202 @@
+"""fusedattn on a mesh of GPUs: batch / head splits of the native calls and context
+parallelism, against one GPU doing its share of the work, in one process.
+
+Per row: the sharded forward+backward step (jit, NamedSharding inputs) and, timed
+round-robin with it, one GPU running 1/n of the work (the same call on 1/n of the
+batch, heads or tokens; for context parallelism the whole call on one GPU, divided
+by n). efficiency = (1/n work on one GPU) / (sharded step time). Also the
+collectives XLA compiled into the sharded step and the memory XLA plans per device
+(arguments + outputs + temporaries), with the unsharded call's for context
+parallelism.
+
+    python benchmarks/bench_sharding.py [--quick]     (needs 2 or more GPUs)
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_sharding.py --smoke
+        (the harness on CPU: tiny shapes on the XLA backend; numbers mean nothing)
+
+Writes benchmarks/results/sharding_<device>_x<n>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
+from common import device_meta, print_table, time_interleaved, warmed, write_results  # noqa: E402
+from sharding_cases import collectives  # noqa: E402
+
+import fusedattn  # noqa: E402
+from fusedattn import ContextParallel  # noqa: E402
+
+DTYPE = jnp.bfloat16
+
+
+def _normal(seed, shape):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(DTYPE)
+
+
+def _step(fn):
+    """jit of one forward + backward (the output's cotangent is an input)."""
+    def run(q, k, v, do):
+        _, vjp = jax.vjp(fn, q, k, v)
+        return vjp(do)
+    return jax.jit(run)
+
+
+def _memory(compiled) -> dict:
+    """XLA's per-device plan, GiB: arguments, outputs, temporaries and their total."""
+    m = compiled.memory_analysis()
+    parts = {"args": m.argument_size_in_bytes, "outs": m.output_size_in_bytes,
+             "temp": m.temp_size_in_bytes}
+    total = sum(parts.values()) - m.alias_size_in_bytes
+    return {k: v / 2**30 for k, v in dict(parts, total=total).items()}
+
+
+def _attention_case(b, s, h_q, h_kv, d, backend, mask="causal"):
+    args = [_normal(0, (b, s, h_q, d)), _normal(1, (b, s, h_kv, d)), _normal(2, (b, s, h_kv, d)),
+            _normal(3, (b, s, h_q, d))]
+    return args, lambda cp=None: (
+        lambda q, k, v: fusedattn.fused_attn(q, k, v, mask=mask, context_parallel=cp,
+                                             backend=backend))
+
+
+def rows_to_run(n: int, quick: bool, smoke: bool, cp_only: bool):
+    """(name, backend, split, sharded step + args, one-GPU share step + args, share factor,
+    unsharded step + args for memory or None)."""
+    devices = np.array(jax.devices()[:n])
+    out = []
+    if not cp_only:
+        out += _split_rows(n, devices, smoke)
+    out += _cp_rows(n, devices, quick, smoke)
+    return out
+
+
+def _split_rows(n, devices, smoke):
+    out = []
+    attn, small = ("xla", "xla") if smoke else ("cudnn", "small_seq")
+    s_attn = 256 if smoke else 4096
+    # Batch and head splits: b8 s4096 h16 d128 causal (the issue's shape).
+    args, call = _attention_case(8, s_attn, 16, 16, 128, attn)
+    for split, spec, axis in (("batch", P("dp"), "dp"), ("heads", P(None, None, "tp"), "tp")):
+        mesh = jax.sharding.Mesh(devices, (axis,))
+        sh = NamedSharding(mesh, spec)
+        share = [x[: x.shape[0] // n] if split == "batch" else x[:, :, : x.shape[2] // n]
+                 for x in args]
+        out.append((f"b8 s{s_attn} h16 d128 causal, {split} split", attn, split,
+                    (_step(call()), [jax.device_put(x, sh) for x in args]),
+                    (_step(call()), share), 1.0, None))
+    # Small-seq: 30720 tokens, 16 keys, h8 d128, tokens split.
+    t, kv, h, d = (512 if smoke else 30720), 16, 8, 128
+    lengths = jnp.asarray(np.random.default_rng(0).integers(1, kv + 1, size=t).astype(np.int32))
+    ss_args = [_normal(0, (t, 1, h, d)), _normal(1, (t, kv, h, d)), _normal(2, (t, kv, h, d)),
+               _normal(3, (t, 1, h, d))]
+
+    def small_seq(lens):
+        return lambda q, k, v: fusedattn.fused_attn_small_seq(q, k, v, sequence=lens,
+                                                              backend=small)
+    mesh = jax.sharding.Mesh(devices, ("dp",))
+    sh, sh1 = NamedSharding(mesh, P("dp")), NamedSharding(mesh, P("dp"))
+    out.append((f"small-seq {t} tokens kv{kv} h{h} d{d}, token split", small, "tokens",
+                (_step(small_seq(jax.device_put(lengths, sh1))),
+                 [jax.device_put(x, sh) for x in ss_args]),
+                (_step(small_seq(lengths[: t // n])), [x[: t // n] for x in ss_args]), 1.0, None))
+    return out
+
+
+def _cp_rows(n, devices, quick, smoke):
+    """Context parallelism: b1 h16 d128 causal, sequence split; the ring also with the
+    tokens already in zig-zag order (reorder=False: no reordering moves)."""
+    out = []
+    attn = "xla" if smoke else "cudnn"
+    lengths_cp = (1024,) if smoke else (32768,) if quick else (32768, 131072)
+    mesh = jax.sharding.Mesh(devices, ("cp",))
+    sh = NamedSharding(mesh, P(None, "cp"))
+    for s in lengths_cp:
+        args, call = _attention_case(1, s, 16, 16, 128, attn)
+        variants = [("ring", True), ("ring", False)] + ([("allgather", True)] if s <= 32768 else [])
+        for strategy, reorder in variants:
+            cp = ContextParallel("cp", strategy=strategy, mesh=mesh, reorder=reorder)
+            label = f"cp-{strategy}" + ("" if reorder else "-zigzag-inputs")
+            out.append((f"b1 s{s} h16 d128 causal, context parallel", attn, label,
+                        (_step(call(cp)), [jax.device_put(x, sh) for x in args]),
+                        (_step(call()), args), 1.0 / n, (_step(call()), args)))
+    return out
+
+
+def bench(n: int, quick: bool, smoke: bool, cp_only: bool):
+    rows = []
+    for name, backend, split, (fn, args), (share_fn, share_args), factor, full in \
+            rows_to_run(n, quick, smoke, cp_only):
+        row = {"case": name, "backend": backend, "split": split, "devices": n}
+        try:
+            compiled = fn.lower(*args).compile()
+            text = compiled.as_text()
+            row.update({k: v for k, v in collectives(text).items() if v})
+            mem = _memory(compiled)
+            row["mem_per_device_GiB"] = mem["total"]
+            row["mem_parts_GiB"] = {k: round(v, 3) for k, v in mem.items() if k != "total"}
+            if full is not None:
+                row["mem_unsharded_GiB"] = _memory(full[0].lower(*full[1]).compile())["total"]
+                row["mem_ratio"] = row["mem_per_device_GiB"] / row["mem_unsharded_GiB"]
+            long = "131072" in name
+            times = time_interleaved({"sharded": (warmed(fn, *args), args),
+                                      "share": (warmed(share_fn, *share_args), share_args)},
+                                     rounds=3 if long else 7, min_round_s=0.0 if long else 0.025)
+            row["sharded_ms"] = times["sharded"] * 1e3
+            row["one_gpu_share_ms"] = times["share"] * 1e3 * factor
+            row["efficiency"] = row["one_gpu_share_ms"] / row["sharded_ms"]
+        except Exception as e:  # a row that cannot run says why and the others go on
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        print("  " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in row.items()), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="context parallelism at 32k only")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, XLA backend, any device")
+    parser.add_argument("--cp-only", action="store_true", help="context parallelism rows only")
+    parser.add_argument("--tag", default="", help="suffix of the result file name")
+    opts = parser.parse_args()
+    n = len(jax.devices())
+    if n < 2 or (jax.default_backend() not in ("gpu", "cuda") and not opts.smoke):
+        print(f"bench_sharding: needs 2 or more GPUs ({n} {jax.default_backend()} device(s)), "
+              f"skipped")
+        return
+    meta = device_meta()
+    print(f"device {meta.get('device')} x{n}  jax {meta.get('jax')}  cuDNN {meta.get('cudnn')}",
+          flush=True)
+    rows = bench(n, opts.quick, opts.smoke, opts.cp_only)
+    print("\nefficiency = one GPU doing 1/n of the work / sharded step time (fwd+bwd, bf16)")
+    print_table(rows, ["case", "split", "efficiency", "sharded_ms", "one_gpu_share_ms",
+                       "all-gather", "all-reduce", "collective-permute", "mem_per_device_GiB",
+                       "mem_ratio", "error"])
+    device = re.sub(r"[^A-Za-z0-9]+", "_", str(meta.get("device", "gpu"))).strip("_").lower()
+    meta.update({"dtype": "bfloat16", "devices": n,
+                 "definition": "efficiency = (time of 1/n of the work on one GPU) / "
+                               "(sharded step time); memory = XLA's plan per device "
+                               "(arguments + outputs + temporaries)"})
+    if opts.smoke:
+        return
+    meta["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    path = write_results(f"sharding_{device}_x{n}{opts.tag}", rows, meta)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
