@@ -1,0 +1,407 @@
+"""The per-device algorithm of context parallelism (see `fusedattn.context_parallel`).
+
+Inside a shard_map, each device holds c tokens of every sequence (zig-zag halves
+r and 2n-1-r under a causal mask). A *block* is one kernel call: some of my query
+rows against some rows of one device's kv. Blocks merge into accumulators in
+place (a block's rows are updated with a static slice), so a step never holds a
+padded copy of its result: the forward keeps an fp32 output and the LSE, the
+backward an fp32 dq and the kv gradients in k's dtype, which travel with their
+block (half the bytes of fp32; one rounding per hop).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import AttnConfig
+
+F32 = jnp.float32
+NEG_INF = -jnp.inf
+# Stands for "no visible key" in the statistics given to a backward kernel:
+# exp(s - BIG) is 0 for every finite logit, where -inf would give inf - inf.
+_EMPTY_ROW_LSE = 1e30
+
+
+# ---- the zig-zag order ------------------------------------------------------------------
+def _zigzag_home(j: int, n: int) -> Tuple[int, int]:
+    """(device, slot) that holds half j of 2n in the zig-zag order."""
+    return (j, 0) if j < n else (2 * n - 1 - j, 1)
+
+
+def _move_halves(x, axis: str, n: int, to_zigzag: bool, seq_axis: int = 1):
+    """Natural order (device r holds halves 2r, 2r+1) <-> zig-zag (r holds r, 2n-1-r).
+
+    Two ppermutes. Grouped by the slot the halves leave from (to zig-zag) or arrive
+    in (back), each group is a permutation of the devices; a device looks up in a
+    static table which slot it stores into (to zig-zag) or sends from (back).
+    """
+    h = x.shape[seq_axis] // 2
+    halves = (jax.lax.slice_in_dim(x, 0, h, axis=seq_axis),
+              jax.lax.slice_in_dim(x, h, 2 * h, axis=seq_axis))
+    natural = lambda j: (j // 2, j % 2)  # noqa: E731
+    zigzag = functools.partial(_zigzag_home, n=n)
+    src_of, dst_of = (natural, zigzag) if to_zigzag else (zigzag, natural)
+    me = jax.lax.axis_index(axis)
+    received, other_slot = [], []
+    for group in (0, 1):
+        moves = [(src_of(j), dst_of(j)) for j in range(2 * n)
+                 if (src_of(j) if to_zigzag else dst_of(j))[1] == group]
+        # Per device, the slot at the other end of its move in this group.
+        table = [0] * n
+        for src, dst in moves:
+            if to_zigzag:
+                table[dst[0]] = dst[1]
+            else:
+                table[src[0]] = src[1]
+        slot = jnp.asarray(table)[me]
+        send = halves[group] if to_zigzag else jnp.where(slot == 0, halves[0], halves[1])
+        # Halves that stay on their device are not sent (with n = 2, half of them).
+        perm = [(src[0], dst[0]) for src, dst in moves if src[0] != dst[0]]
+        stays = jnp.asarray([False] * n)
+        for src, dst in moves:
+            if src[0] == dst[0]:
+                stays = stays.at[src[0]].set(True)
+        moved = jax.lax.ppermute(send, axis, perm) if perm else send
+        received.append(jnp.where(stays[me], send, moved) if perm and len(perm) < n else moved)
+        other_slot.append(slot)
+    if not to_zigzag:
+        return jnp.concatenate(received, axis=seq_axis)
+    # To zig-zag: each device got one half per group, bound for different slots.
+    first = other_slot[0] == 0
+    lo = jnp.where(first, received[0], received[1])
+    hi = jnp.where(first, received[1], received[0])
+    return jnp.concatenate([lo, hi], axis=seq_axis)
+
+
+# ---- blocks: my queries against one device's keys ---------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    config: AttnConfig     # per device: local batch / heads, s_q = s_kv = local tokens
+    axis: str
+    n: int
+    strategy: str
+    zigzag: bool
+    backend: str
+    reorder: bool = True   # move tokens into zig-zag order and back (else they are)
+
+    @property
+    def segments(self) -> Tuple[Tuple[int, int], ...]:
+        """Local row ranges that are contiguous in the global sequence."""
+        c = self.config.s_q
+        return ((0, c // 2), (c // 2, c)) if self.zigzag else ((0, c),)
+
+    def segment_start(self, device, index: int):
+        """Global position of local segment `index` on `device`."""
+        c = self.config.s_q
+        if not self.zigzag:
+            return device * c
+        h = c // 2
+        return device * h if index == 0 else (2 * self.n - 1 - device) * h
+
+
+def _kernels(backend: str):
+    """(forward, backward) per-device kernels of `backend` (native_call's contract)."""
+    if backend == "xla":
+        from .backends import xla  # noqa: PLC0415
+        return xla.forward, xla.backward
+    from .backends import native_call  # noqa: PLC0415
+    return (functools.partial(native_call.forward, backend),
+            functools.partial(native_call.backward, backend))
+
+
+def _prefix_len(st: _Static, lengths, device, rows: Tuple[int, int]):
+    """Valid tokens among local `rows` of `device`, per batch row: a prefix of them,
+    since each local segment starts later in the sequence than the one before."""
+    total = 0
+    for i, (a, b) in enumerate(st.segments):
+        lo, hi = max(a, rows[0]), min(b, rows[1])
+        if lo < hi:
+            start = st.segment_start(device, i) + (lo - a)
+            total = total + jnp.clip(lengths - start, 0, hi - lo)
+    return jnp.asarray(total, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Block:
+    """One kernel call: local query rows against rows of a kv block."""
+    q_rows: Tuple[int, int]
+    kv_rows: Tuple[int, int]
+    mask: str               # "none", "causal", "causal_bottom_right"; "skip": nothing visible
+
+
+def _ring_cases(st: _Static) -> Tuple[_Block, ...]:
+    """Blocks for kv from device src, indexed by `_ring_case`: src == r, src < r, src > r."""
+    c = st.config.s_q
+    if not st.config.causal:
+        return (_Block((0, c), (0, c), "none"),)
+    if not st.zigzag:
+        return (_Block((0, c), (0, c), "causal"), _Block((0, c), (0, c), "none"),
+                _Block((0, 0), (0, 0), "skip"))
+    h = c // 2
+    # src < r: both my halves see src's first half only; src > r: my second half sees both.
+    return (_Block((0, c), (0, c), "causal"), _Block((0, c), (0, h), "none"),
+            _Block((h, c), (0, c), "none"))
+
+
+def _ring_case(st: _Static, r, src):
+    if not st.config.causal:
+        return jnp.int32(0)
+    return jnp.where(src == r, 0, jnp.where(src < r, 1, 2)).astype(jnp.int32)
+
+
+def _block_call(st: _Static, block: _Block, q_len, kv_len):
+    """The block's config and its length arrays ([b] q and kv valid prefixes)."""
+    from .backends.base import AttnInputs  # noqa: PLC0415
+    from .sequence import SequenceDescriptor  # noqa: PLC0415
+    cfg = dataclasses.replace(
+        st.config, s_q=block.q_rows[1] - block.q_rows[0], s_kv=block.kv_rows[1] - block.kv_rows[0],
+        mask=block.mask, sequence="padding" if (st.config.is_padded or
+                                                block.mask == "causal_bottom_right") else "dense")
+
+    def inputs(q, k, v):
+        seq = SequenceDescriptor.from_lengths(q_len, kv_len) if cfg.is_padded else None
+        return AttnInputs(q=q, k=k, v=v, sequence=seq)
+    return cfg, inputs
+
+
+def _rows(x, rows, axis=1):
+    return jax.lax.slice_in_dim(x, rows[0], rows[1], axis=axis)
+
+
+def _add_rows(acc, part, rows, axis=1):
+    """acc with `part` added on `rows` (summed in fp32, stored in acc's dtype)."""
+    index = [slice(None)] * acc.ndim
+    index[axis] = slice(*rows)
+    summed = _rows(acc, rows, axis).astype(F32) + part.astype(F32)
+    return acc.at[tuple(index)].set(summed.astype(acc.dtype))
+
+
+def _merge(acc, part):
+    """Exact merge of two partial softmax results (out [b, r, h, d], lse [b, h, r])."""
+    o_a, l_a = acc
+    o_b, l_b = part
+    lse = jnp.logaddexp(l_a, l_b)
+    safe = jnp.where(lse == NEG_INF, 0.0, lse)
+    to_o = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # noqa: E731 [b, h, r] -> [b, r, h, 1]
+    return (o_a.astype(F32) * to_o(jnp.exp(l_a - safe))
+            + o_b.astype(F32) * to_o(jnp.exp(l_b - safe))), lse
+
+
+def _forward_block(block: _Block, st: _Static, acc, q, k, v, q_len, kv_len):
+    """acc = (out fp32 [b, c, h, d_v], lse [b, h, c]) with this block merged into its rows;
+    rows that see no key of the block are left as they were."""
+    if block.mask == "skip":
+        return acc
+    cfg, make = _block_call(st, block, q_len, kv_len)
+    qr = block.q_rows
+    out, lse = _kernels(st.backend)[0](
+        cfg, make(_rows(q, qr), _rows(k, block.kv_rows), _rows(v, block.kv_rows)), True)
+    seen = (jnp.arange(qr[1] - qr[0])[None, :] < q_len[:, None]) & (kv_len[:, None] > 0)
+    lse = jnp.where(seen[:, None, :], lse, NEG_INF)  # [b, h, rows]
+    o_acc, l_acc = acc
+    o_new, l_new = _merge((_rows(o_acc, qr), _rows(l_acc, qr, 2)), (out, lse))
+    o_new = jnp.where(seen[:, :, None, None], o_new, _rows(o_acc, qr))
+    return (o_acc.at[:, qr[0]:qr[1]].set(o_new), l_acc.at[:, :, qr[0]:qr[1]].set(l_new))
+
+
+def _backward_block(block: _Block, st: _Static, acc, q, k, v, out, lse, d_out, q_len, kv_len):
+    """acc = (dq fp32, dk, dv) with this block's share of the gradient added, given the
+    merged out and lse (so the kernel's P is the final softmax's)."""
+    if block.mask == "skip":
+        return acc
+    cfg, make = _block_call(st, block, q_len, kv_len)
+    qr, kr = block.q_rows, block.kv_rows
+    lse = jnp.where(lse == NEG_INF, _EMPTY_ROW_LSE, lse)
+    grads = _kernels(st.backend)[1](
+        cfg, make(_rows(q, qr), _rows(k, kr), _rows(v, kr)), _rows(out, qr), _rows(lse, qr, 2),
+        _rows(d_out, qr))
+    dq, dk, dv = acc
+    return _add_rows(dq, grads.q, qr), _add_rows(dk, grads.k, kr), _add_rows(dv, grads.v, kr)
+
+
+def _switch(st: _Static, index, fn, *operands):
+    """fn(block, st, *operands) for the ring case `index` selects (accumulators are
+    operands and results of the switch, so XLA updates them in place)."""
+    cases = _ring_cases(st)
+    if len(cases) == 1:
+        return fn(cases[0], st, *operands)
+    return jax.lax.switch(index, [functools.partial(fn, case, st) for case in cases], *operands)
+
+
+# ---- ring --------------------------------------------------------------------------------
+def _shift(x, st: _Static):
+    """Send to the next device of the ring (device r receives from r - 1)."""
+    return jax.lax.ppermute(x, st.axis, [(i, (i + 1) % st.n) for i in range(st.n)])
+
+
+def _ring_lengths(block, st, q_len, kv_len, r, src):
+    return (_prefix_len(st, q_len, r, block.q_rows), _prefix_len(st, kv_len, src, block.kv_rows))
+
+
+def _ring_forward_block(block, st, acc, q, k, v, q_len, kv_len, r, src):
+    return _forward_block(block, st, acc, q, k, v,
+                          *_ring_lengths(block, st, q_len, kv_len, r, src))
+
+
+def _ring_backward_block(block, st, acc, q, k, v, out, lse, d_out, q_len, kv_len, r, src):
+    return _backward_block(block, st, acc, q, k, v, out, lse, d_out,
+                           *_ring_lengths(block, st, q_len, kv_len, r, src))
+
+
+def _ring_forward(st: _Static, q, k, v, q_len, kv_len):
+    r = jax.lax.axis_index(st.axis)
+    acc = (jnp.zeros(q.shape[:3] + v.shape[3:], F32),
+           jnp.full((q.shape[0], q.shape[2], q.shape[1]), NEG_INF, F32))
+    for t in range(st.n):
+        # Issue the next block's transfer before this block's kernel: XLA overlaps them.
+        nxt = _shift((k, v), st) if t < st.n - 1 else None
+        src = (r - t) % st.n
+        acc = _switch(st, _ring_case(st, r, src), _ring_forward_block, acc, q, k, v, q_len,
+                      kv_len, r, src)
+        if nxt is not None:
+            k, v = nxt
+    return acc
+
+
+def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len):
+    r = jax.lax.axis_index(st.axis)
+    dq, dk, dv = jnp.zeros(q.shape, F32), jnp.zeros_like(k), jnp.zeros_like(v)
+    for t in range(st.n):
+        nxt = _shift((k, v), st) if t < st.n - 1 else None
+        src = (r - t) % st.n
+        dq, dk, dv = _switch(st, _ring_case(st, r, src), _ring_backward_block, (dq, dk, dv),
+                             q, k, v, out, lse, d_out, q_len, kv_len, r, src)
+        # The kv gradients travel with their block; after the last step one more hop
+        # takes them home (device r holds block r + 1's then).
+        dk, dv = _shift((dk, dv), st)
+        if nxt is not None:
+            k, v = nxt
+    return dq, dk, dv
+
+
+# ---- all-gather ------------------------------------------------------------------------------
+def _gather_blocks(st: _Static, r, total: int):
+    """(block, q lengths fn, kv lengths fn) per local segment: the whole gathered kv,
+    with a bottom-right causal mask over the segment's kv prefix under a causal mask."""
+    if not st.config.causal:
+        return [(_Block((0, st.config.s_q), (0, total), "none"), None)]
+    return [(_Block((a, b), (0, total), "causal_bottom_right"), st.segment_start(r, i) + (b - a))
+            for i, (a, b) in enumerate(st.segments)]
+
+
+def _gather_lengths(st, block, prefix, q_len, kv_len, r, total):
+    ql = _prefix_len(st, q_len, r, block.q_rows)
+    kl = jnp.clip(kv_len, 0, total) if prefix is None else jnp.broadcast_to(prefix, ql.shape)
+    return ql, kl.astype(jnp.int32)
+
+
+def _gather_forward(st: _Static, q, k_all, v_all, q_len, kv_len):
+    r = jax.lax.axis_index(st.axis)
+    total = k_all.shape[1]
+    acc = (jnp.zeros(q.shape[:3] + v_all.shape[3:], F32),
+           jnp.full((q.shape[0], q.shape[2], q.shape[1]), NEG_INF, F32))
+    for block, prefix in _gather_blocks(st, r, total):
+        acc = _forward_block(block, st, acc, q, k_all, v_all,
+                             *_gather_lengths(st, block, prefix, q_len, kv_len, r, total))
+    return acc
+
+
+def _gather_backward(st: _Static, q, k_all, v_all, out, lse, d_out, q_len, kv_len):
+    r = jax.lax.axis_index(st.axis)
+    total = k_all.shape[1]
+    acc = (jnp.zeros(q.shape, F32), jnp.zeros(k_all.shape, F32), jnp.zeros(v_all.shape, F32))
+    for block, prefix in _gather_blocks(st, r, total):
+        acc = _backward_block(block, st, acc, q, k_all, v_all, out, lse, d_out,
+                              *_gather_lengths(st, block, prefix, q_len, kv_len, r, total))
+    dq, dk, dv = acc
+    if st.zigzag and not st.reorder:  # back to the callers' (zig-zag) token order
+        order = zigzag_order(k_all.shape[1], st.n)
+        dk, dv = jnp.take(dk, order, axis=1), jnp.take(dv, order, axis=1)
+    return dq, _reduce_scatter(dk, st, r), _reduce_scatter(dv, st, r)
+
+
+def _gathered_in_natural_order(st: _Static, x):
+    """All-gather along the sequence; tokens given in zig-zag order are put back in
+    natural order (a local gather), since the blocks address kv by position."""
+    full = jax.lax.all_gather(x, st.axis, axis=1, tiled=True)
+    if st.zigzag and not st.reorder:
+        full = jnp.take(full, np.argsort(zigzag_order(full.shape[1], st.n)), axis=1)
+    return full
+
+
+def _reduce_scatter(x, st: _Static, r):
+    """Sum over the ring of x [b, n * c, ..]; device r keeps chunk r. A ring of n - 1
+    ppermutes (the bandwidth of a reduce-scatter; lax.psum_scatter fails to lower
+    inside a shard_map over part of an Explicit mesh in JAX 0.10)."""
+    c = x.shape[1] // st.n
+    chunk = lambda i: jax.lax.dynamic_slice_in_dim(x, (i % st.n) * c, c, axis=1)  # noqa: E731
+    buf = chunk(r - 1)
+    for t in range(st.n - 1):
+        buf = _shift(buf, st) + chunk(r - t - 2)
+    return buf
+
+
+# ---- the differentiable per-device function ------------------------------------------------
+def _to_zigzag(st: _Static, x):
+    return _move_halves(x, st.axis, st.n, True) if st.zigzag and st.reorder else x
+
+
+def _from_zigzag(st: _Static, x):
+    return _move_halves(x, st.axis, st.n, False) if st.zigzag and st.reorder else x
+
+
+def zigzag_order(seq_len: int, n: int):
+    """Token indices that put a natural-order sequence of `seq_len` into the zig-zag
+    order of n devices (``x[:, zigzag_order(s, n)]``, then shard the sequence over
+    the axis and pass ``ContextParallel(axis, reorder=False)``); `numpy.argsort` of it
+    restores the natural order. Do it once in the data pipeline (with the positions
+    that rotary embeddings use) and the ring needs no reordering moves."""
+    h = seq_len // (2 * n)
+    halves = [j for r in range(n) for j in (r, 2 * n - 1 - r)]
+    return np.concatenate([np.arange(j * h, (j + 1) * h) for j in halves])
+
+
+def _forward(st: _Static, q, k, v, q_len, kv_len):
+    """(out in q's dtype, lse [b, h, c]) in natural order, and the residuals."""
+    zq = _to_zigzag(st, q)
+    if st.strategy == "ring":
+        zk, zv = _to_zigzag(st, k), _to_zigzag(st, v)
+        out, lse = _ring_forward(st, zq, zk, zv, q_len, kv_len)
+    else:
+        zk, zv = (_gathered_in_natural_order(st, x) for x in (k, v))
+        out, lse = _gather_forward(st, zq, zk, zv, q_len, kv_len)
+    out = out.astype(q.dtype)
+    return out, lse, (zq, zk, zv, out, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend(st: _Static, q, k, v, q_len, kv_len):
+    out, _, _ = _forward(st, q, k, v, q_len, kv_len)
+    return _from_zigzag(st, out)
+
+
+def _attend_fwd(st, q, k, v, q_len, kv_len):
+    out, _, res = _forward(st, q, k, v, q_len, kv_len)
+    return _from_zigzag(st, out), (res, q_len, kv_len)
+
+
+def _attend_bwd(st, residuals, d_out):
+    (zq, zk, zv, out, lse), q_len, kv_len = residuals
+    zd = _to_zigzag(st, d_out.astype(out.dtype))
+    if st.strategy == "ring":
+        dq, dk, dv = _ring_backward(st, zq, zk, zv, out, lse, zd, q_len, kv_len)
+        dk, dv = _from_zigzag(st, dk), _from_zigzag(st, dv)
+    else:
+        dq, dk, dv = _gather_backward(st, zq, zk, zv, out, lse, zd, q_len, kv_len)
+    dq = _from_zigzag(st, dq)
+    return (dq.astype(zq.dtype), dk.astype(zk.dtype), dv.astype(zv.dtype), None, None)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
