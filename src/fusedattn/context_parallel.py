@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from .config import AttnConfig
-from .context_parallel_steps import (_attend, _block_call, _gather_blocks, _ring_cases, _Static,
-                                     zigzag_order)
+from .context_parallel_steps import (_attend, _Block, _block_call, _gather_blocks, _ring_cases,
+                                     _Static, zigzag_order)
 from .partitioning import shard_index
 
 __all__ = ["ContextParallel", "attention", "describe", "zigzag_order"]
@@ -151,7 +151,8 @@ def block_configs(config: AttnConfig, cp: ContextParallel, n: int) -> Tuple[Attn
     if cp.strategy == "ring":
         blocks = [b for b in _ring_cases(st) if b.mask != "skip"]
     else:
-        blocks = [b for b, _ in _gather_blocks(st, 0, config.s_kv)]
+        blocks = [_Block(rows, (0, config.s_kv), "none" if prefix is None else "causal_bottom_right")
+                  for rows, prefix in _gather_blocks(st, 0)]
     return tuple(dict.fromkeys(_block_call(st, b, None, None)[0] for b in blocks))
 
 

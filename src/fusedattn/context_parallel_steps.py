@@ -2,11 +2,11 @@
 
 Inside a shard_map, each device holds c tokens of every sequence (zig-zag halves
 r and 2n-1-r under a causal mask). A *block* is one kernel call: some of my query
-rows against some rows of one device's kv. Blocks merge into accumulators in
-place (a block's rows are updated with a static slice), so a step never holds a
-padded copy of its result: the forward keeps an fp32 output and the LSE, the
-backward an fp32 dq and the kv gradients in k's dtype, which travel with their
-block (half the bytes of fp32; one rounding per hop).
+rows against some rows of one device's kv. A block returns its output (or
+gradients) in the kernels' dtype over all local rows (zeros / -inf elsewhere) and
+merges into fp32 accumulators: the output and the LSE in the forward, dq in the
+backward; the kv gradients travel with their block in k's dtype (half the bytes of
+fp32; one rounding per hop).
 """
 from __future__ import annotations
 
@@ -173,64 +173,62 @@ def _rows(x, rows, axis=1):
     return jax.lax.slice_in_dim(x, rows[0], rows[1], axis=axis)
 
 
-def _add_rows(acc, part, rows, axis=1):
-    """acc with `part` added on `rows` (summed in fp32, stored in acc's dtype)."""
-    index = [slice(None)] * acc.ndim
-    index[axis] = slice(*rows)
-    summed = _rows(acc, rows, axis).astype(F32) + part.astype(F32)
-    return acc.at[tuple(index)].set(summed.astype(acc.dtype))
+def _pad_rows(x, rows, size, axis=1, value=0.0):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (rows[0], size - rows[1])
+    return jnp.pad(x, widths, constant_values=value)
 
 
-def _merge(acc, part):
-    """Exact merge of two partial softmax results (out [b, r, h, d], lse [b, h, r])."""
-    o_a, l_a = acc
-    o_b, l_b = part
-    lse = jnp.logaddexp(l_a, l_b)
-    safe = jnp.where(lse == NEG_INF, 0.0, lse)
-    to_o = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # noqa: E731 [b, h, r] -> [b, r, h, 1]
-    return (o_a.astype(F32) * to_o(jnp.exp(l_a - safe))
-            + o_b.astype(F32) * to_o(jnp.exp(l_b - safe))), lse
-
-
-def _forward_block(block: _Block, st: _Static, acc, q, k, v, q_len, kv_len):
-    """acc = (out fp32 [b, c, h, d_v], lse [b, h, c]) with this block merged into its rows;
-    rows that see no key of the block are left as they were."""
+def _block_forward(st: _Static, block: _Block, q, k, v, q_len, kv_len):
+    """(out fp32 [b, c, h, d_v], lse [b, h, c]) over all local rows: 0 / -inf on rows
+    that see no key of this block."""
+    c, b = st.config.s_q, q.shape[0]
     if block.mask == "skip":
-        return acc
+        return (jnp.zeros(q.shape[:3] + (v.shape[-1],), F32),
+                jnp.full((b, q.shape[2], c), NEG_INF, F32))
     cfg, make = _block_call(st, block, q_len, kv_len)
-    qr = block.q_rows
     out, lse = _kernels(st.backend)[0](
-        cfg, make(_rows(q, qr), _rows(k, block.kv_rows), _rows(v, block.kv_rows)), True)
-    seen = (jnp.arange(qr[1] - qr[0])[None, :] < q_len[:, None]) & (kv_len[:, None] > 0)
-    lse = jnp.where(seen[:, None, :], lse, NEG_INF)  # [b, h, rows]
-    o_acc, l_acc = acc
-    o_new, l_new = _merge((_rows(o_acc, qr), _rows(l_acc, qr, 2)), (out, lse))
-    o_new = jnp.where(seen[:, :, None, None], o_new, _rows(o_acc, qr))
-    return (o_acc.at[:, qr[0]:qr[1]].set(o_new), l_acc.at[:, :, qr[0]:qr[1]].set(l_new))
+        cfg, make(_rows(q, block.q_rows), _rows(k, block.kv_rows), _rows(v, block.kv_rows)), True)
+    rows = block.q_rows[1] - block.q_rows[0]
+    seen = (jnp.arange(rows)[None, :] < q_len[:, None]) & (kv_len[:, None] > 0)  # [b, rows]
+    out = jnp.where(seen[:, :, None, None], out.astype(F32), 0.0)
+    lse = jnp.where(seen[:, None, :], lse, NEG_INF)
+    return _pad_rows(out, block.q_rows, c), _pad_rows(lse, block.q_rows, c, 2, NEG_INF)
 
 
-def _backward_block(block: _Block, st: _Static, acc, q, k, v, out, lse, d_out, q_len, kv_len):
-    """acc = (dq fp32, dk, dv) with this block's share of the gradient added, given the
-    merged out and lse (so the kernel's P is the final softmax's)."""
+def _block_backward(st: _Static, block: _Block, q, k, v, out, lse, d_out, q_len, kv_len):
+    """fp32 (dq [b, c, ..], dk, dv [b, c, ..]) of this block given the merged out / lse."""
+    c = st.config.s_q
+    zeros = lambda x: jnp.zeros(x.shape, F32)  # noqa: E731
     if block.mask == "skip":
-        return acc
+        return zeros(q), zeros(k), zeros(v)
     cfg, make = _block_call(st, block, q_len, kv_len)
     qr, kr = block.q_rows, block.kv_rows
     lse = jnp.where(lse == NEG_INF, _EMPTY_ROW_LSE, lse)
     grads = _kernels(st.backend)[1](
         cfg, make(_rows(q, qr), _rows(k, kr), _rows(v, kr)), _rows(out, qr), _rows(lse, qr, 2),
         _rows(d_out, qr))
-    dq, dk, dv = acc
-    return _add_rows(dq, grads.q, qr), _add_rows(dk, grads.k, kr), _add_rows(dv, grads.v, kr)
+    kv_c = k.shape[1]
+    return (_pad_rows(grads.q.astype(F32), qr, c), _pad_rows(grads.k.astype(F32), kr, kv_c),
+            _pad_rows(grads.v.astype(F32), kr, kv_c))
 
 
-def _switch(st: _Static, index, fn, *operands):
-    """fn(block, st, *operands) for the ring case `index` selects (accumulators are
-    operands and results of the switch, so XLA updates them in place)."""
+def _switch(st: _Static, index, fn, *arrays):
+    """fn(block, st, *arrays) for the ring case `index` selects."""
     cases = _ring_cases(st)
     if len(cases) == 1:
-        return fn(cases[0], st, *operands)
-    return jax.lax.switch(index, [functools.partial(fn, case, st) for case in cases], *operands)
+        return fn(cases[0], st, *arrays)
+    return jax.lax.switch(index, [functools.partial(fn, case, st) for case in cases], *arrays)
+
+
+def _merge(acc, part):
+    """Exact merge of two partial softmax results through their LSEs."""
+    o_a, l_a = acc
+    o_b, l_b = part
+    lse = jnp.logaddexp(l_a, l_b)
+    safe = jnp.where(lse == NEG_INF, 0.0, lse)
+    to_o = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # noqa: E731 [b, h, c] -> [b, c, h, 1]
+    return o_a * to_o(jnp.exp(l_a - safe)) + o_b * to_o(jnp.exp(l_b - safe)), lse
 
 
 # ---- ring --------------------------------------------------------------------------------
@@ -239,45 +237,47 @@ def _shift(x, st: _Static):
     return jax.lax.ppermute(x, st.axis, [(i, (i + 1) % st.n) for i in range(st.n)])
 
 
-def _ring_lengths(block, st, q_len, kv_len, r, src):
-    return (_prefix_len(st, q_len, r, block.q_rows), _prefix_len(st, kv_len, src, block.kv_rows))
-
-
-def _ring_forward_block(block, st, acc, q, k, v, q_len, kv_len, r, src):
-    return _forward_block(block, st, acc, q, k, v,
-                          *_ring_lengths(block, st, q_len, kv_len, r, src))
-
-
-def _ring_backward_block(block, st, acc, q, k, v, out, lse, d_out, q_len, kv_len, r, src):
-    return _backward_block(block, st, acc, q, k, v, out, lse, d_out,
-                           *_ring_lengths(block, st, q_len, kv_len, r, src))
-
-
 def _ring_forward(st: _Static, q, k, v, q_len, kv_len):
     r = jax.lax.axis_index(st.axis)
-    acc = (jnp.zeros(q.shape[:3] + v.shape[3:], F32),
-           jnp.full((q.shape[0], q.shape[2], q.shape[1]), NEG_INF, F32))
+    acc = None
     for t in range(st.n):
         # Issue the next block's transfer before this block's kernel: XLA overlaps them.
         nxt = _shift((k, v), st) if t < st.n - 1 else None
         src = (r - t) % st.n
-        acc = _switch(st, _ring_case(st, r, src), _ring_forward_block, acc, q, k, v, q_len,
-                      kv_len, r, src)
+        part = _switch(st, _ring_case(st, r, src), _ring_block_fwd, q, k, v, q_len, kv_len, r, src)
+        acc = part if acc is None else _merge(acc, part)
         if nxt is not None:
             k, v = nxt
     return acc
 
 
+def _ring_block_fwd(block, st, q, k, v, q_len, kv_len, r, src):
+    ql = _prefix_len(st, q_len, r, block.q_rows)
+    kl = _prefix_len(st, kv_len, src, block.kv_rows)
+    return _block_forward(st, block, q, k, v, ql, kl)
+
+
+def _ring_block_bwd(block, st, q, k, v, out, lse, d_out, q_len, kv_len, r, src):
+    ql = _prefix_len(st, q_len, r, block.q_rows)
+    kl = _prefix_len(st, kv_len, src, block.kv_rows)
+    return _block_backward(st, block, q, k, v, out, lse, d_out, ql, kl)
+
+
 def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len):
     r = jax.lax.axis_index(st.axis)
-    dq, dk, dv = jnp.zeros(q.shape, F32), jnp.zeros_like(k), jnp.zeros_like(v)
+    dq = jnp.zeros(q.shape, F32)
+    dk, dv = jnp.zeros_like(k), jnp.zeros_like(v)
     for t in range(st.n):
         nxt = _shift((k, v), st) if t < st.n - 1 else None
         src = (r - t) % st.n
-        dq, dk, dv = _switch(st, _ring_case(st, r, src), _ring_backward_block, (dq, dk, dv),
-                             q, k, v, out, lse, d_out, q_len, kv_len, r, src)
-        # The kv gradients travel with their block; after the last step one more hop
+        g = _switch(st, _ring_case(st, r, src), _ring_block_bwd, q, k, v, out, lse, d_out,
+                    q_len, kv_len, r, src)
+        dq = dq + g[0]
+        # The kv gradients travel with their block, in k's dtype (half the bytes of
+        # fp32; one rounding per hop, n in all); after the last step one more hop
         # takes them home (device r holds block r + 1's then).
+        dk = (dk.astype(F32) + g[1]).astype(k.dtype)
+        dv = (dv.astype(F32) + g[2]).astype(v.dtype)
         dk, dv = _shift((dk, dv), st)
         if nxt is not None:
             k, v = nxt
@@ -285,40 +285,38 @@ def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len):
 
 
 # ---- all-gather ------------------------------------------------------------------------------
-def _gather_blocks(st: _Static, r, total: int):
-    """(block, q lengths fn, kv lengths fn) per local segment: the whole gathered kv,
-    with a bottom-right causal mask over the segment's kv prefix under a causal mask."""
+def _gather_blocks(st: _Static, r):
+    """Per local segment: (rows, its causal kv prefix length or None for no mask)."""
     if not st.config.causal:
-        return [(_Block((0, st.config.s_q), (0, total), "none"), None)]
-    return [(_Block((a, b), (0, total), "causal_bottom_right"), st.segment_start(r, i) + (b - a))
-            for i, (a, b) in enumerate(st.segments)]
-
-
-def _gather_lengths(st, block, prefix, q_len, kv_len, r, total):
-    ql = _prefix_len(st, q_len, r, block.q_rows)
-    kl = jnp.clip(kv_len, 0, total) if prefix is None else jnp.broadcast_to(prefix, ql.shape)
-    return ql, kl.astype(jnp.int32)
+        return [((0, st.config.s_q), None)]
+    return [((a, b), st.segment_start(r, i) + (b - a)) for i, (a, b) in enumerate(st.segments)]
 
 
 def _gather_forward(st: _Static, q, k_all, v_all, q_len, kv_len):
     r = jax.lax.axis_index(st.axis)
+    outs, lses = [], []
     total = k_all.shape[1]
-    acc = (jnp.zeros(q.shape[:3] + v_all.shape[3:], F32),
-           jnp.full((q.shape[0], q.shape[2], q.shape[1]), NEG_INF, F32))
-    for block, prefix in _gather_blocks(st, r, total):
-        acc = _forward_block(block, st, acc, q, k_all, v_all,
-                             *_gather_lengths(st, block, prefix, q_len, kv_len, r, total))
-    return acc
+    for rows, prefix in _gather_blocks(st, r):
+        block = _Block(rows, (0, total), "none" if prefix is None else "causal_bottom_right")
+        ql = _prefix_len(st, q_len, r, rows)
+        kl = jnp.clip(kv_len, 0, total) if prefix is None else jnp.broadcast_to(prefix, ql.shape)
+        out, lse = _block_forward(st, block, q, k_all, v_all, ql, kl.astype(jnp.int32))
+        outs.append(out)
+        lses.append(lse)
+    return functools.reduce(_merge, zip(outs, lses))
 
 
 def _gather_backward(st: _Static, q, k_all, v_all, out, lse, d_out, q_len, kv_len):
     r = jax.lax.axis_index(st.axis)
+    dq = jnp.zeros(q.shape, F32)
+    dk, dv = jnp.zeros(k_all.shape, F32), jnp.zeros(v_all.shape, F32)
     total = k_all.shape[1]
-    acc = (jnp.zeros(q.shape, F32), jnp.zeros(k_all.shape, F32), jnp.zeros(v_all.shape, F32))
-    for block, prefix in _gather_blocks(st, r, total):
-        acc = _backward_block(block, st, acc, q, k_all, v_all, out, lse, d_out,
-                              *_gather_lengths(st, block, prefix, q_len, kv_len, r, total))
-    dq, dk, dv = acc
+    for rows, prefix in _gather_blocks(st, r):
+        block = _Block(rows, (0, total), "none" if prefix is None else "causal_bottom_right")
+        ql = _prefix_len(st, q_len, r, rows)
+        kl = jnp.clip(kv_len, 0, total) if prefix is None else jnp.broadcast_to(prefix, ql.shape)
+        g = _block_backward(st, block, q, k_all, v_all, out, lse, d_out, ql, kl.astype(jnp.int32))
+        dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
     if st.zigzag and not st.reorder:  # back to the callers' (zig-zag) token order
         order = zigzag_order(k_all.shape[1], st.n)
         dk, dv = jnp.take(dk, order, axis=1), jnp.take(dv, order, axis=1)
