@@ -180,26 +180,28 @@ def _pad_rows(x, rows, size, axis=1, value=0.0):
 
 
 def _block_forward(st: _Static, block: _Block, q, k, v, q_len, kv_len):
-    """(out fp32 [b, c, h, d_v], lse [b, h, c]) over all local rows: 0 / -inf on rows
-    that see no key of this block."""
+    """(out [b, c, h, d_v] in q's dtype, lse fp32 [b, h, c]) over all local rows: 0 / -inf
+    on rows that see no key of this block. Kept in q's dtype (the kernel's own output)
+    until the merge: an fp32 copy per block would double the memory of every step."""
     c, b = st.config.s_q, q.shape[0]
     if block.mask == "skip":
-        return (jnp.zeros(q.shape[:3] + (v.shape[-1],), F32),
+        return (jnp.zeros(q.shape[:3] + (v.shape[-1],), q.dtype),
                 jnp.full((b, q.shape[2], c), NEG_INF, F32))
     cfg, make = _block_call(st, block, q_len, kv_len)
     out, lse = _kernels(st.backend)[0](
         cfg, make(_rows(q, block.q_rows), _rows(k, block.kv_rows), _rows(v, block.kv_rows)), True)
     rows = block.q_rows[1] - block.q_rows[0]
     seen = (jnp.arange(rows)[None, :] < q_len[:, None]) & (kv_len[:, None] > 0)  # [b, rows]
-    out = jnp.where(seen[:, :, None, None], out.astype(F32), 0.0)
+    out = jnp.where(seen[:, :, None, None], out, jnp.zeros((), out.dtype))
     lse = jnp.where(seen[:, None, :], lse, NEG_INF)
     return _pad_rows(out, block.q_rows, c), _pad_rows(lse, block.q_rows, c, 2, NEG_INF)
 
 
 def _block_backward(st: _Static, block: _Block, q, k, v, out, lse, d_out, q_len, kv_len):
-    """fp32 (dq [b, c, ..], dk, dv [b, c, ..]) of this block given the merged out / lse."""
+    """(dq [b, c, ..], dk, dv [b, c, ..]) of this block given the merged out / lse, in
+    the kernels' output dtypes (accumulated in fp32 by the caller)."""
     c = st.config.s_q
-    zeros = lambda x: jnp.zeros(x.shape, F32)  # noqa: E731
+    zeros = jnp.zeros_like
     if block.mask == "skip":
         return zeros(q), zeros(k), zeros(v)
     cfg, make = _block_call(st, block, q_len, kv_len)
@@ -209,8 +211,7 @@ def _block_backward(st: _Static, block: _Block, q, k, v, out, lse, d_out, q_len,
         cfg, make(_rows(q, qr), _rows(k, kr), _rows(v, kr)), _rows(out, qr), _rows(lse, qr, 2),
         _rows(d_out, qr))
     kv_c = k.shape[1]
-    return (_pad_rows(grads.q.astype(F32), qr, c), _pad_rows(grads.k.astype(F32), kr, kv_c),
-            _pad_rows(grads.v.astype(F32), kr, kv_c))
+    return (_pad_rows(grads.q, qr, c), _pad_rows(grads.k, kr, kv_c), _pad_rows(grads.v, kr, kv_c))
 
 
 def _switch(st: _Static, index, fn, *arrays):
@@ -228,7 +229,8 @@ def _merge(acc, part):
     lse = jnp.logaddexp(l_a, l_b)
     safe = jnp.where(lse == NEG_INF, 0.0, lse)
     to_o = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # noqa: E731 [b, h, c] -> [b, c, h, 1]
-    return o_a * to_o(jnp.exp(l_a - safe)) + o_b * to_o(jnp.exp(l_b - safe)), lse
+    return (o_a.astype(F32) * to_o(jnp.exp(l_a - safe))
+            + o_b.astype(F32) * to_o(jnp.exp(l_b - safe))), lse
 
 
 # ---- ring --------------------------------------------------------------------------------
@@ -272,12 +274,12 @@ def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len):
         src = (r - t) % st.n
         g = _switch(st, _ring_case(st, r, src), _ring_block_bwd, q, k, v, out, lse, d_out,
                     q_len, kv_len, r, src)
-        dq = dq + g[0]
+        dq = dq + g[0].astype(F32)
         # The kv gradients travel with their block, in k's dtype (half the bytes of
         # fp32; one rounding per hop, n in all); after the last step one more hop
         # takes them home (device r holds block r + 1's then).
-        dk = (dk.astype(F32) + g[1]).astype(k.dtype)
-        dv = (dv.astype(F32) + g[2]).astype(v.dtype)
+        dk = (dk.astype(F32) + g[1].astype(F32)).astype(k.dtype)
+        dv = (dv.astype(F32) + g[2].astype(F32)).astype(v.dtype)
         dk, dv = _shift((dk, dv), st)
         if nxt is not None:
             k, v = nxt
