@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA job: build the CUDA extension, run the GPU tests, run the benchmarks.
 # Works the same on a CUDA CI runner and by hand (and through the device tool).
+# With two or more GPUs the sharding tests (tests/gpu/test_sharding_gpu.py) and
+# benchmarks/bench_sharding.py run too; with one they skip and say so.
 #   ci/cuda.sh [all|build|test|bench] [extra pytest args...]
 # Results: benchmarks/results/*.json|png, logs under ${OUT:-build/ci-cuda}.
 set -euo pipefail
@@ -8,6 +10,8 @@ cd "$(dirname "$0")/.."
 step=${1:-all}; shift || true
 log_dir=${OUT:-build/ci-cuda}; mkdir -p "$log_dir"
 export PYTHONUNBUFFERED=1
+# Never NVLink multicast on shared multi-GPU hosts (it can take the host's GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 # Wheels the machine lacks (cudnn-frontend headers, flash-attn3-jax) may travel in .whl/.
 if compgen -G ".whl/*.whl" >/dev/null; then

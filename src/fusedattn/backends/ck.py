@@ -1,7 +1,8 @@
 """The CK backend: Composable Kernel's fused attention (ck_tile FMHA) on AMD GPUs.
 
 Forward and backward are XLA FFI calls into `fusedattn._rocm` (csrc/rocm/
-ck_fmha_{fwd,bwd}.cpp) on platform ROCM, wrapped in a custom_vjp. The kernel
+ck_fmha_{fwd,bwd}.cpp) on platform ROCM, exposed as the per-device `forward` /
+`backward` that `native_call` differentiates and partitions. The kernel
 instances are the ones CK's own generator emits for the configurations below
 (cmake/fusedattn_rocm.cmake); `supports` states exactly those limits.
 
@@ -91,7 +92,7 @@ def supports(config: AttnConfig) -> Optional[str]:
 
 # ---- the call's static and traced parts --------------------------------------
 class _Static(NamedTuple):
-    """Everything the FFI calls need that is static (hashable: custom_vjp nondiff arg)."""
+    """Everything the FFI calls need that is static."""
     attrs: tuple            # sorted (name, value) pairs of FFI attributes
     grouped: bool           # packed: tensors flattened to [1, tokens, h, d] bshd
     batch: int

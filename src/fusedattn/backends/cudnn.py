@@ -8,6 +8,9 @@ workspace sizes the FFI calls need are known at trace time. The arrays go in
 as the user laid them out: bshd / sbhd and packed qkv / kv through strides,
 packed (THD) rows through ragged offsets computed here with JAX, so nothing
 in lowering needs a GPU (see `assume_supported` for lowering on a CPU host).
+The per-device `forward` / `backward` below are differentiated and partitioned
+by `native_call`: under a batch / head split each device builds and runs the
+graphs of its own shard's config.
 
 score_mods: the built-in ones of `fusedattn.score_mods` are lowered to cuDNN's
 own operations (`alibi` to the frontend's ALiBi mask, `softcap` to its

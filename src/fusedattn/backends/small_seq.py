@@ -1,9 +1,11 @@
 """The small-seq backend: one query token attending to at most 16 keys.
 
 Fused CUDA/HIP kernels (csrc/common/small_seq_kernels.cuh) behind two XLA FFI
-targets, ``fusedattn_small_seq_fwd`` and ``fusedattn_small_seq_bwd``, wrapped
-in a custom_vjp. The forward saves fp32 log-sum-exp ``[n, h_q, 1]``; the
-backward recomputes the probabilities from it.
+targets, ``fusedattn_small_seq_fwd`` and ``fusedattn_small_seq_bwd``, exposed as
+the per-device `forward` / `backward` that `native_call` differentiates and
+partitions (tokens split over devices with no collective; packed keys are read
+whole and their gradients summed). The forward saves fp32 log-sum-exp
+``[n, h_q, 1]``; the backward recomputes the probabilities from it.
 
 It serves `fused_attn_small_seq` (padded keys, or packed keys with offsets:
 sequence kind ``ragged``) and `fused_attn` configs of the same shape (s_q == 1,
