@@ -149,3 +149,14 @@ def test_fused_attn_validates_before_dispatch():
     with pytest.raises(ValueError, match="mask must be one of"):
         fusedattn.fused_attn(jnp.ones((B, S, H, D)), jnp.ones((B, S, H, D)),
                              jnp.ones((B, S, H, D)), mask="sliding")
+
+
+def test_score_mod_of_the_wrong_shape_is_named():
+    q = jnp.ones((2, 16, 4, 8))
+    with pytest.raises(ValueError, match=r"score_mod\(score, .*returned shape \(2, 4, 2\): "
+                                         r"score_mod must be elementwise"):
+        fusedattn.fused_attn(q, q, q, score_mod=lambda s, b, h, i, j: s.sum(-1))
+    with pytest.raises(ValueError, match=r"score_mod\(score, .* failed: TypeError"):
+        fusedattn.fused_attn(q, q, q, score_mod=lambda s, b, h, i, j: s + None)
+    with pytest.raises(ValueError, match="returned None"):
+        fusedattn.fused_attn(q, q, q, score_mod=lambda s, b, h, i, j: None)

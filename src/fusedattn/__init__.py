@@ -4,9 +4,10 @@ from .api import explain, fused_attn
 from .config import AttnConfig
 from .context_parallel import ContextParallel
 from .dispatch import Plan, UnsupportedError
+from .jax_nn import dot_product_attention
 from .sequence import SequenceDescriptor
 from .small_seq_api import fused_attn_small_seq
 
-__all__ = ["fused_attn", "fused_attn_small_seq", "explain", "AttnConfig", "ContextParallel", "Plan",
-           "SequenceDescriptor", "UnsupportedError", "score_mods"]
+__all__ = ["fused_attn", "fused_attn_small_seq", "dot_product_attention", "explain", "AttnConfig",
+           "ContextParallel", "Plan", "SequenceDescriptor", "UnsupportedError", "score_mods"]
 __version__ = "0.1.0"

@@ -36,6 +36,10 @@ def info(_args) -> int:
     for d in jax.devices():
         print(f"device         {d.id}: {getattr(d, 'device_kind', d)}")
     print(f"native         {_native_status()}")
+    from .vendor_info import cuda_lines, rocm_lines  # noqa: PLC0415
+    for line in (rocm_lines() if platform == "rocm" else cuda_lines() if platform == "cuda"
+                 else cuda_lines() + rocm_lines()):
+        print(line)
     print()
     # Two representative requests: training attention and recommender small-seq.
     for title, shape_q, shape_kv, opts in (

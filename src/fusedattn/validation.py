@@ -173,6 +173,31 @@ def _check_bias(bias, batch: int, h_q: int, s_q: int, s_kv: int):
     return shape
 
 
+def _check_score_mod(score_mod, args, batch: int, h_q: int) -> None:
+    """Trace score_mod on abstract tiles shaped as the backends call it (nothing runs), so a
+    function that fails or returns the wrong shape is named here, not deep in a backend."""
+    i32 = jnp.int32
+    score = jax.ShapeDtypeStruct((batch, h_q, 2, 3), jnp.float32)
+    indices = [jax.ShapeDtypeStruct(shape, i32) for shape in
+               ((batch, 1, 1, 1), (1, h_q, 1, 1), (batch, 1, 2, 1), (batch, 1, 1, 3))]
+    where = (f"score_mod(score, batch, head, q_idx, kv_idx, *score_mod_args) on a score of "
+             f"shape {score.shape} (batch {indices[0].shape}, head {indices[1].shape}, q_idx "
+             f"{indices[2].shape}, kv_idx {indices[3].shape})")
+    try:
+        out = jax.eval_shape(score_mod, score, *indices, *args)
+    except Exception as e:
+        raise ValueError(f"{where} failed: {type(e).__name__}: {e}") from e
+    shape = getattr(out, "shape", None)
+    try:
+        ok = shape is not None and np.broadcast_shapes(shape, score.shape) == score.shape
+    except ValueError:
+        ok = False
+    if not ok:
+        got = f"shape {shape}" if shape is not None else repr(out)
+        raise ValueError(f"{where} returned {got}: score_mod must be elementwise, returning an "
+                         f"array shaped like score")
+
+
 def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, scale=None,
                softmax="vanilla", softmax_offset=None, dropout=0.0, rng=None, score_mod=None,
                score_mod_args=(), deterministic=False, layout="bshd", api="fused_attn"
@@ -265,6 +290,8 @@ def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, s
         raise ValueError("score_mod_args given without score_mod")
     arg_specs = tuple((tuple(_shape(a, f"score_mod_args[{i}]")), jnp.dtype(a.dtype).name)
                       for i, a in enumerate(score_mod_args))
+    if score_mod is not None:
+        _check_score_mod(score_mod, tuple(score_mod_args), batch, h_q)
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
 

@@ -1,0 +1,61 @@
+"""Device facts from the vendors' Python packages, for `python -m fusedattn info`.
+
+cupy (``fusedattn[cuda]``) reads an NVIDIA GPU's compute capability, SM count, memory
+and driver version; hip-python (``fusedattn[rocm]``) an AMD GPU's gfx architecture,
+CU count, memory and HIP runtime version. Both are optional: without them (or
+without a GPU) each says so in one line, never with an ImportError.
+"""
+from __future__ import annotations
+
+from typing import List
+
+
+def cuda_lines() -> List[str]:
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError:
+        return ["cupy           not installed (pip install 'fusedattn[cuda]' for device facts)"]
+    try:
+        rt = cupy.cuda.runtime
+        lines = [f"cupy           {cupy.__version__}, driver {_cuda_version(rt.driverGetVersion())}, "
+                 f"runtime {_cuda_version(rt.runtimeGetVersion())}"]
+        for i in range(rt.getDeviceCount()):
+            p = rt.getDeviceProperties(i)
+            name = p["name"].decode() if isinstance(p["name"], bytes) else p["name"]
+            lines.append(f"cuda device    {i}: {name}, compute capability {p['major']}.{p['minor']}, "
+                         f"{p['multiProcessorCount']} SMs, {p['totalGlobalMem'] / 2**30:.0f} GiB")
+        return lines
+    except Exception as e:  # no driver / no device: a line, not a crash
+        return [f"cupy           {cupy.__version__}, no CUDA device: {type(e).__name__}: {e}"]
+
+
+def rocm_lines() -> List[str]:
+    try:
+        from hip import hip  # noqa: PLC0415
+    except ImportError:
+        return ["hip-python     not installed (pip install 'fusedattn[rocm]' for device facts)"]
+    try:
+        err, count = hip.hipGetDeviceCount()
+        _check(err)
+        err, version = hip.hipRuntimeGetVersion()
+        _check(err)
+        lines = [f"hip-python     HIP runtime {version}"]
+        for i in range(count):
+            props = hip.hipDeviceProp_t()
+            _check(hip.hipGetDeviceProperties(props, i)[0])
+            arch = props.gcnArchName.decode() if isinstance(props.gcnArchName, bytes) \
+                else props.gcnArchName
+            lines.append(f"rocm device    {i}: {arch}, {props.multiProcessorCount} CUs, "
+                         f"{props.totalGlobalMem / 2**30:.0f} GiB")
+        return lines
+    except Exception as e:  # no driver / no device: a line, not a crash
+        return [f"hip-python     no ROCm device: {type(e).__name__}: {e}"]
+
+
+def _check(err) -> None:
+    if int(getattr(err, "value", err)) != 0:
+        raise RuntimeError(f"HIP error {err}")
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"

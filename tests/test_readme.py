@@ -1,0 +1,36 @@
+"""The README's two set-up commands are the ones CI runs, and the extras' code paths
+that need no GPU answer with a line instead of an ImportError."""
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_readme_commands_are_what_ci_runs():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Install and test: two commands", 1)[1].split("```bash", 1)[1]
+    commands = [line.split("#")[0].strip() for line in block.split("```", 1)[0].splitlines()
+                if line.strip()]
+    assert commands == ['pip install ".[test]"', "python -m pytest -q"], commands
+    ci = (ROOT / "ci" / "cpu.sh").read_text()
+    assert re.search(r'pip install -q "\.\[test\]"', ci) and "python3 -m pytest -q" in ci
+
+
+def test_info_without_vendor_packages_says_so():
+    out = subprocess.run([sys.executable, "-m", "fusedattn", "info"], capture_output=True,
+                         text=True, timeout=300, env={"FUSEDATTN_PLATFORM": "cpu",
+                                                     "PATH": "/usr/bin:/bin",
+                                                     "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        assert "cupy           not installed (pip install 'fusedattn[cuda]'" in out.stdout
+    try:
+        from hip import hip  # noqa: F401
+    except ImportError:
+        assert "hip-python     not installed (pip install 'fusedattn[rocm]'" in out.stdout
