@@ -53,7 +53,7 @@ for src in "${small_seq_sources[@]}"; do
   obj="$work/$(basename "$src").o"
   echo "hipcc -c $src"
   hipcc --offload-arch=gfx90a -std=c++17 -O2 -fPIC -Wall -Werror=return-type \
-    "${common_flags[@]}" -c "$src" -o "$obj"
+    -DFUSEDATTN_HIP_ARCHS='"gfx90a"' "${common_flags[@]}" -c "$src" -o "$obj"
   objs+=("$obj")
 done
 mkdir -p "$work/pkg/fusedattn"
@@ -77,9 +77,11 @@ spec = importlib.util.spec_from_file_location("fusedattn._rocm", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 targets = sorted(module.ffi_targets)
-print("fusedattn._rocm loads; FFI targets:", ", ".join(targets))
+print("fusedattn._rocm loads; FFI targets:", ", ".join(targets),
+      "; built for", module.hip_architectures)
 missing = {"fusedattn_small_seq_fwd", "fusedattn_small_seq_bwd"} - set(targets)
-sys.exit(f"missing targets: {missing}" if missing else 0)
+sys.exit(f"missing targets: {missing}" if missing else
+         None if module.hip_architectures == "gfx90a" else "hip_architectures not recorded")
 EOF
 
 step "2. CK source tree and HIP headers for clang-19"

@@ -149,7 +149,8 @@ function(_fusedattn_configure_rocm)
   target_include_directories(_rocm PRIVATE
     "${FUSEDATTN_COMMON_DIR}" "${CMAKE_CURRENT_SOURCE_DIR}/csrc/rocm"
     "${FUSEDATTN_XLA_FFI_INCLUDE}")
-  target_compile_definitions(_rocm PRIVATE FUSEDATTN_ROCM=1 __HIP_PLATFORM_AMD__=1)
+  target_compile_definitions(_rocm PRIVATE FUSEDATTN_ROCM=1 __HIP_PLATFORM_AMD__=1
+    FUSEDATTN_HIP_ARCHS="${CMAKE_HIP_ARCHITECTURES}")
   if(FUSEDATTN_CK)
     target_include_directories(_rocm SYSTEM PRIVATE "${_ck_dir}/include" "${_fmha}")
     # Interface settings CK's FMHA API headers expect (only the plain fwd / bwd APIs are built).

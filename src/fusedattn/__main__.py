@@ -36,6 +36,12 @@ def info(_args) -> int:
     for d in jax.devices():
         print(f"device         {d.id}: {getattr(d, 'device_kind', d)}")
     print(f"native         {_native_status()}")
+    if platform == "cuda":
+        from .backends import native  # noqa: PLC0415
+        v = native.versions()
+        if "cudnn" in v:
+            print(f"cudnn          runtime {v['cudnn']} (built with {v['cudnn_compiled']}), "
+                  f"frontend {v['cudnn_frontend']}, CUDA {v['cuda_compiled']}")
     from .vendor_info import cuda_lines, rocm_lines  # noqa: PLC0415
     for line in (rocm_lines() if platform == "rocm" else cuda_lines() if platform == "cuda"
                  else cuda_lines() + rocm_lines()):

@@ -7,7 +7,7 @@ without a GPU) each says so in one line, never with an ImportError.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 
 def cuda_lines() -> List[str]:
@@ -50,6 +50,24 @@ def rocm_lines() -> List[str]:
         return lines
     except Exception as e:  # no driver / no device: a line, not a crash
         return [f"hip-python     no ROCm device: {type(e).__name__}: {e}"]
+
+
+def rocm_archs() -> Optional[List[str]]:
+    """gfx architecture of every ROCm device (e.g. "gfx942:sramecc+:xnack-"), or None
+    when hip-python is not installed or cannot query a device."""
+    try:
+        from hip import hip  # noqa: PLC0415
+        err, count = hip.hipGetDeviceCount()
+        _check(err)
+        archs = []
+        for i in range(count):
+            props = hip.hipDeviceProp_t()
+            _check(hip.hipGetDeviceProperties(props, i)[0])
+            name = props.gcnArchName
+            archs.append(name.decode() if isinstance(name, bytes) else str(name))
+        return archs
+    except Exception:  # hip-python missing, or no driver / device
+        return None
 
 
 def _check(err) -> None:

@@ -51,8 +51,25 @@ def load(platform: Optional[str] = None):
         except Exception as e:  # a missing build or a library mismatch is a reason, not a crash
             _failures[platform] = f"{MODULES[platform]} not available: {type(e).__name__}: {e}"
             return None
+        why = architecture_reason(module) if platform == "rocm" else None
+        if why is not None:
+            _failures[platform] = why
+            return None
         _modules[platform] = module
         return module
+
+
+def architecture_reason(module) -> Optional[str]:
+    """Why the ROCm extension's kernels cannot run on this machine's GPUs (None: they
+    can, or hip-python is absent and the architectures cannot be read)."""
+    from ..vendor_info import rocm_archs  # noqa: PLC0415
+    built = [a for a in str(getattr(module, "hip_architectures", "")).split(";") if a]
+    archs = rocm_archs() if built else None
+    for arch in archs or ():
+        if arch.split(":")[0] not in built:
+            return (f"{MODULES['rocm']} was built for {';'.join(built)}, not this GPU's {arch} "
+                    f"(rebuild with CMAKE_HIP_ARCHITECTURES={arch.split(':')[0]})")
+    return None
 
 
 def reason(platform: Optional[str] = None) -> Optional[str]:

@@ -1,5 +1,6 @@
-"""The README's two set-up commands are the ones CI runs, and the extras' code paths
-that need no GPU answer with a line instead of an ImportError."""
+"""The README's two set-up commands are the ones CI runs; the vendor extras' code paths
+that need no GPU answer with a line instead of an ImportError; a ROCm build for other
+gfx architectures is a reason, not a launch failure."""
 from __future__ import annotations
 
 import pathlib
@@ -34,3 +35,21 @@ def test_info_without_vendor_packages_says_so():
         from hip import hip  # noqa: F401
     except ImportError:
         assert "hip-python     not installed (pip install 'fusedattn[rocm]'" in out.stdout
+
+
+def test_rocm_extension_built_for_other_architectures_is_a_reason(monkeypatch):
+    """With hip-python reporting a gfx the extension was not built for, the ROCm
+    extension counts as unavailable and says why (small_seq and ck then give that
+    reason), rather than failing at the first kernel launch."""
+    import types
+
+    from fusedattn import vendor_info
+    from fusedattn.backends import native
+    module = types.SimpleNamespace(hip_architectures="gfx90a;gfx942")
+    monkeypatch.setattr(vendor_info, "rocm_archs", lambda: ["gfx1100"])
+    why = native.architecture_reason(module)
+    assert "built for gfx90a;gfx942, not this GPU's gfx1100" in why
+    monkeypatch.setattr(vendor_info, "rocm_archs", lambda: ["gfx942:sramecc+:xnack-"])
+    assert native.architecture_reason(module) is None
+    monkeypatch.setattr(vendor_info, "rocm_archs", lambda: None)  # hip-python absent
+    assert native.architecture_reason(module) is None
