@@ -1,0 +1,227 @@
+// Construction of the cuDNN attention graphs (see cudnn_graph.h).
+#include "cudnn_graph.h"
+
+#include <cstdlib>
+#include <string>
+#include <utility>
+
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+// The frontend's dynamic loader resolves cuDNN symbols through this handle. The
+// extension links libcudnn.so.9 (RPATH: the wheel jaxlib uses), so it is already
+// loaded and this returns that very library: one libcudnn per process.
+// Its CUDA runtime loader would take the first of libcudart.so.12 / .so.13 it can
+// open; pin the major version these headers were compiled for (unless the user
+// chose), since the two differ in struct layouts.
+namespace cudnn_frontend {
+void* cudnn_dlhandle = [] {
+  const std::string cudart = "libcudart.so." + std::to_string(CUDART_VERSION / 1000);
+  setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", cudart.c_str(), /*overwrite=*/0);
+  void* h = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_NOLOAD);
+  return h ? h : dlopen("libcudnn.so.9", RTLD_NOW);
+}();
+}  // namespace cudnn_frontend
+
+namespace fusedattn::cudnn_attn {
+
+const char* kind_name(GraphKind kind) {
+  switch (kind) {
+    case GraphKind::kForwardInference: return "forward (inference)";
+    case GraphKind::kForwardTraining: return "forward (training)";
+    default: return "backward";
+  }
+}
+
+const char* kind_key(GraphKind kind) {
+  switch (kind) {
+    case GraphKind::kForwardInference: return "forward_inference";
+    case GraphKind::kForwardTraining: return "forward_training";
+    default: return "backward";
+  }
+}
+
+namespace {
+
+TensorPtr add_tensor(fe::graph::Graph& g, const char* name, Uid uid,
+                     const TensorGeometry& geom, fe::DataType_t type) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name).set_uid(uid)
+                      .set_dim(geom.dims).set_stride(geom.strides)
+                      .set_data_type(type));
+}
+
+TensorPtr add_index_tensor(fe::graph::Graph& g, const char* name, Uid uid, int64_t n) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name).set_uid(uid)
+                      .set_dim({n, 1, 1, 1}).set_stride({1, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::INT32));
+}
+
+// Tensors both directions share, declared identically for forward and backward.
+struct CommonTensors {
+  TensorPtr q, k, v, o, stats, bias, seq_q, seq_kv, seed, offset, sink;
+};
+
+CommonTensors declare_common(fe::graph::Graph& g, const AttnParams& p, bool with_stats,
+                             bool o_is_input) {
+  const auto io = p.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
+  CommonTensors t;
+  t.q = add_tensor(g, "Q", kQ, q_geometry(p), io);
+  t.k = add_tensor(g, "K", kK, k_geometry(p), io);
+  t.v = add_tensor(g, "V", kV, v_geometry(p), io);
+  if (o_is_input) t.o = add_tensor(g, "O", kO, o_geometry(p), io);
+  if (o_is_input && with_stats)
+    t.stats = add_tensor(g, "Stats", kStats, stats_geometry(p), fe::DataType_t::FLOAT);
+  if (p.has_bias()) t.bias = add_tensor(g, "Bias", kBias, bias_geometry(p), io);
+  if (p.has_seq_lens()) {
+    t.seq_q = add_index_tensor(g, "seq_q", kSeqQ, p.batch());
+    t.seq_kv = add_index_tensor(g, "seq_kv", kSeqKV, p.batch());
+  }
+  if (p.packed()) {
+    const int64_t n = p.batch() + 1;
+    t.q->set_ragged_offset(add_index_tensor(g, "ragged_q", kRaggedQ, n));
+    t.k->set_ragged_offset(add_index_tensor(g, "ragged_k", kRaggedK, n));
+    t.v->set_ragged_offset(add_index_tensor(g, "ragged_v", kRaggedV, n));
+    if (t.o) t.o->set_ragged_offset(add_index_tensor(g, "ragged_o", kRaggedO, n));
+    if (t.stats) t.stats->set_ragged_offset(add_index_tensor(g, "ragged_stats", kRaggedStats, n));
+  }
+  if (p.has_dropout()) {
+    // 64-bit Philox seed and offset, read on the device (Python passes 2 x u32 each).
+    TensorGeometry scalar{{1, 1, 1, 1}, {1, 1, 1, 1}, 0};
+    t.seed = add_tensor(g, "seed", kSeed, scalar, fe::DataType_t::INT64);
+    t.offset = add_tensor(g, "offset", kOffset, scalar, fe::DataType_t::INT64);
+  }
+  if (p.has_sink()) {
+    TensorGeometry sink{{1, p.hq, 1, 1}, {p.hq, 1, 1, 1}, 0};
+    t.sink = add_tensor(g, "sink", kSink, sink, fe::DataType_t::FLOAT);
+  }
+  return t;
+}
+
+// Masking, padding, dropout and sink options are the same on both sides.
+template <typename Attrs>
+void set_common_options(Attrs& a, const AttnParams& p, const CommonTensors& t) {
+  a.set_attn_scale(p.scale);
+  if (p.mask != Mask::kNone) {
+    a.set_diagonal_alignment(p.mask == Mask::kCausalBottomRight
+                                 ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
+                                 : fe::DiagonalAlignment_t::TOP_LEFT);
+  }
+  // Our window (left, right) counts keys beside the diagonal; cuDNN's left bound
+  // counts the diagonal itself (keys j > i - left_bound).
+  if (p.window_left >= 0) a.set_diagonal_band_left_bound(static_cast<int>(p.window_left + 1));
+  if (p.window_right >= 0) a.set_diagonal_band_right_bound(static_cast<int>(p.window_right));
+  if (p.window_left >= 0 && p.mask == Mask::kNone)
+    a.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
+  if (t.bias) a.set_bias(t.bias);
+  if (p.has_seq_lens()) {
+    a.set_padding_mask(true).set_seq_len_q(t.seq_q).set_seq_len_kv(t.seq_kv);
+  }
+  if (p.packed()) {
+    a.set_max_total_seq_len_q(p.b * p.sq).set_max_total_seq_len_kv(p.b * p.skv);
+  }
+  if (p.has_dropout()) a.set_dropout(p.dropout, t.seed, t.offset);
+  if (t.sink) a.set_sink_token(t.sink);
+  // ALiBi: the frontend adds slope[h] * (kv index - q index) after the bias, with
+  // its own slopes for the hq query heads (detail::get_alibi_slope, which
+  // fusedattn.score_mods.alibi_slopes reproduces). It needs the right bound 0
+  // (causal, top-left); it copies the slopes from host memory into the workspace
+  // on every execute.
+  if (p.alibi) a.set_alibi_mask(true);
+}
+
+// Soft-capping, cap * tanh(s / cap) on the scaled logits, through the frontend's
+// score_mod hook and its Softcap functor (utils/attn_score_modifiers.h). The
+// frontend applies a score_mod before the bias and allows no mask, window or
+// padding with it (Python refuses those configs). The backward graph recomputes
+// the scores with the same functor object (score_mod) before applying its
+// derivative (score_mod_bprop), which reuses the tanh input the recompute made.
+struct SoftcapMod {
+  std::shared_ptr<fe::graph::attn::score_modifiers::Softcap> functor =
+      std::make_shared<fe::graph::attn::score_modifiers::Softcap>();
+  TensorPtr cap;  // a pass-by-value fp32 scalar of the graph
+
+  SoftcapMod(fe::graph::Graph& g, float value) : cap(g.tensor(fe::graph::Tensor_attributes(value))) {}
+
+  auto forward() const {
+    return [functor = functor, cap = cap](std::shared_ptr<fe::graph::Graph> sub, TensorPtr score) {
+      return functor->forward(std::move(sub), std::move(score), cap);
+    };
+  }
+  auto backward() const {
+    return [functor = functor, cap = cap](std::shared_ptr<fe::graph::Graph> sub, TensorPtr d_score) {
+      return functor->backward(std::move(sub), std::move(d_score), cap);
+    };
+  }
+};
+
+void set_output(const TensorPtr& t, const char* name, Uid uid, const TensorGeometry& geom,
+                fe::DataType_t type) {
+  t->set_output(true).set_name(name).set_uid(uid).set_dim(geom.dims)
+      .set_stride(geom.strides).set_data_type(type);
+}
+
+}  // namespace
+
+std::shared_ptr<fe::graph::Graph> make_graph(const AttnParams& p, GraphKind kind, int sm_version) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  if (sm_version > 0) g->set_sm_version(sm_version);  // before any node copies the context
+  g->set_io_data_type(p.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  const auto io = p.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
+  if (kind != GraphKind::kBackward) {
+    const bool training = kind == GraphKind::kForwardTraining;
+    CommonTensors t = declare_common(*g, p, /*with_stats=*/false, /*o_is_input=*/false);
+    auto attrs = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(training);
+    set_common_options(attrs, p, t);
+    if (p.has_softcap()) attrs.set_score_mod(SoftcapMod(*g, p.softcap).forward());
+    auto [o, stats] = g->sdpa(t.q, t.k, t.v, attrs);
+    set_output(o, "O", kO, o_geometry(p), io);
+    if (p.packed()) o->set_ragged_offset(add_index_tensor(*g, "ragged_o", kRaggedO, p.batch() + 1));
+    if (training) {
+      set_output(stats, "Stats", kStats, stats_geometry(p), fe::DataType_t::FLOAT);
+      if (p.packed())
+        stats->set_ragged_offset(add_index_tensor(*g, "ragged_stats", kRaggedStats, p.batch() + 1));
+    }
+    return g;
+  }
+  CommonTensors t = declare_common(*g, p, /*with_stats=*/true, /*o_is_input=*/true);
+  auto d_o = add_tensor(*g, "dO", kdO, o_geometry(p), io);
+  if (p.packed()) d_o->set_ragged_offset(t.o->get_ragged_offset());
+  auto attrs = fe::graph::SDPA_backward_attributes().set_name("sdpa_backward")
+                   .set_deterministic_algorithm(p.deterministic);
+  set_common_options(attrs, p, t);
+  if (p.has_softcap()) {
+    SoftcapMod softcap(*g, p.softcap);
+    attrs.set_score_mod(softcap.forward()).set_score_mod_bprop(softcap.backward());
+  }
+  TensorPtr d_bias, d_sink;
+  if (p.has_bias()) {
+    d_bias = g->tensor(fe::graph::Tensor_attributes().set_name("dBias").set_uid(kdBias)
+                           .set_dim(bias_geometry(p).dims).set_stride(bias_geometry(p).strides)
+                           .set_data_type(io));
+    attrs.set_dbias(d_bias);
+  }
+  if (p.learnable_sink()) {
+    d_sink = g->tensor(fe::graph::Tensor_attributes().set_name("dSink").set_uid(kdSink)
+                           .set_dim({1, p.hq, 1, 1}).set_stride({p.hq, 1, 1, 1})
+                           .set_data_type(fe::DataType_t::FLOAT));
+    attrs.set_dsink_token(d_sink);
+  }
+  auto [dq, dk, dv] = g->sdpa_backward(t.q, t.k, t.v, t.o, d_o, t.stats, attrs);
+  set_output(dq, "dQ", kdQ, q_geometry(p), io);
+  set_output(dk, "dK", kdK, k_geometry(p), io);
+  set_output(dv, "dV", kdV, v_geometry(p), io);
+  if (p.packed()) {
+    dq->set_ragged_offset(t.q->get_ragged_offset());
+    dk->set_ragged_offset(t.k->get_ragged_offset());
+    dv->set_ragged_offset(t.v->get_ragged_offset());
+  }
+  if (d_bias) d_bias->set_output(true);
+  if (d_sink) d_sink->set_output(true);
+  return g;
+}
+
+}  // namespace fusedattn::cudnn_attn
