@@ -1,7 +1,7 @@
 """cudnn-frontend's own validation of the graphs we build, without a GPU.
 
 The compiled CUDA extension's `cudnn_validate_graphs(key, sm_version)` builds the
-three graphs of a config key exactly as the handlers do (csrc/cuda/cudnn_attention.cc,
+three graphs of a config key exactly as the handlers do (csrc/cuda/cudnn_graph.cc,
 `make_graph`) and runs only the frontend's validation for that architecture: its
 support-surface checks, nothing that needs a device. So on a CPU machine this
 checks that the built-in score_mods are wired the way the frontend accepts

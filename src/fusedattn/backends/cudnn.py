@@ -1,7 +1,8 @@
 """The cuDNN backend: our own cuDNN fused attention (BF16/FP16) through XLA FFI.
 
-The C++ side (csrc/cuda/cudnn_attention.cc) builds cudnn-frontend graphs
-(inference forward, training forward, backward) for a config *key* and caches
+The C++ side (csrc/cuda/cudnn_*.{h,cc}; cudnn_graph.h maps the files) builds
+cudnn-frontend graphs (inference forward, training forward, backward) for a
+config *key* and caches
 them per device and cuDNN version. `supports` asks it to build them, so the
 reason for an unsupported config is cudnn-frontend's own message, and the
 workspace sizes the FFI calls need are known at trace time. The arrays go in
@@ -19,7 +20,7 @@ cannot run. Any other score_mod falls back to the XLA backend.
 
 Graphs with ALiBi copy their slopes from host memory into the workspace on
 every execute; they run through FFI targets that do not declare XLA's
-command-buffer trait (csrc/cuda/cudnn_attention.cc explains why), chosen from
+command-buffer trait (csrc/cuda/cudnn_ffi.cc explains why), chosen from
 the probe's `host_copies`.
 """
 from __future__ import annotations
