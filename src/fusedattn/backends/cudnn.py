@@ -2,8 +2,7 @@
 
 The C++ side (csrc/cuda/cudnn_*.{h,cc}; cudnn_graph.h maps the files) builds
 cudnn-frontend graphs (inference forward, training forward, backward) for a
-config *key* and caches
-them per device and cuDNN version. `supports` asks it to build them, so the
+config *key* and caches them per device and cuDNN version. `supports` asks it to build them, so the
 reason for an unsupported config is cudnn-frontend's own message, and the
 workspace sizes the FFI calls need are known at trace time. The arrays go in
 as the user laid them out: bshd / sbhd and packed qkv / kv through strides,
