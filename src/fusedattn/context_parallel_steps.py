@@ -18,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .backends.base import AttnInputs
 from .config import AttnConfig
+from .sequence import SequenceDescriptor
 
 F32 = jnp.float32
 NEG_INF = -jnp.inf
@@ -155,9 +157,8 @@ def _ring_case(st: _Static, r, src):
 
 
 def _block_call(st: _Static, block: _Block, q_len, kv_len):
-    """The block's config and its length arrays ([b] q and kv valid prefixes)."""
-    from .backends.base import AttnInputs  # noqa: PLC0415
-    from .sequence import SequenceDescriptor  # noqa: PLC0415
+    """The block's config, and a function making its inputs (padding lengths: the
+    [b] valid prefixes of its q and kv rows)."""
     cfg = dataclasses.replace(
         st.config, s_q=block.q_rows[1] - block.q_rows[0], s_kv=block.kv_rows[1] - block.kv_rows[0],
         mask=block.mask, sequence="padding" if (st.config.is_padded or

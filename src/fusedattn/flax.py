@@ -19,7 +19,6 @@ import dataclasses
 import math
 from typing import Any, Optional, Tuple
 
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax import nnx
