@@ -140,3 +140,19 @@ def test_argument_errors_name_the_argument():
         fusedattn.dot_product_attention(q, q, q, query_seq_lengths=jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="does not broadcast"):
         fusedattn.dot_product_attention(q, q, q, bias=jnp.ones((1, 3, 8, 8)))
+
+
+def test_float64_runs_jax_nn_itself_without_inf_warnings():
+    """JAX's float64 mask case: no fusedattn backend computes in float64, so jax.nn's
+    own XLA path runs it (debug_infs stays quiet, as in JAX's test); naming a fusedattn
+    backend still refuses it."""
+    with jax.enable_x64(True):
+        t, s, k, n, h = 5, 7, 3, 6, 11
+        mask = jnp.arange(s) <= s // 2
+        args = (jnp.zeros((t, n, h), jnp.float64), jnp.zeros((s, k, h), jnp.float64),
+                jnp.zeros((s, k, h), jnp.float64))
+        with jax.debug_infs(True):
+            out = fusedattn.dot_product_attention(*args, mask=mask)
+        assert out.dtype == jnp.float64 and out.shape == (t, n, h)
+        with pytest.raises(TypeError, match="dtype must be one of"):
+            fusedattn.dot_product_attention(*args, mask=mask, implementation="cudnn")

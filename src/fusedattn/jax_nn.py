@@ -19,7 +19,9 @@ Switching a model over is changing one import. The arguments map onto
   ``"xla"`` / ``"cudnn"`` or any fusedattn backend name forces one.
 
 One difference: a key/value sequence of length 0 gives 0 here (fusedattn's rule
-for rows with no visible key), where jax.nn averages the padded values.
+for rows with no visible key), where jax.nn averages the padded values. Dtypes no
+fusedattn backend computes in (float64) run jax.nn's own XLA path, unless a
+fusedattn backend is named.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import numpy as np
 
 from . import dispatch
 from .backends import native_call, xla
+from .config import DTYPES
 from .sequence import SequenceDescriptor
 from .validation import build_call
 
@@ -61,6 +64,14 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     if q.dtype != k.dtype or v.dtype != k.dtype:
         raise ValueError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
+    if jnp.dtype(q.dtype).name not in DTYPES and implementation in (None, "xla"):
+        # No fusedattn backend computes in this dtype (float64): jax.nn's own XLA path
+        # does, so the drop-in keeps its promise instead of narrowing the precision.
+        return jax.nn.dot_product_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size, implementation="xla",
+            return_residual=return_residual)
     b, t, n, _ = q.shape
     s = k.shape[1]
     bias = _bias_with_mask(bias, mask, q.dtype, b, n, t, s)
