@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import time
@@ -23,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (RESULTS_DIR, device_meta, measure_ceilings, print_table,  # noqa: E402
+from common import (RESULTS_DIR, device_meta, device_slug, measure_ceilings, print_table,  # noqa: E402
                     time_interleaved, warmed, write_results)
 
 import fusedattn  # noqa: E402
@@ -209,7 +208,7 @@ def main():
           f"re-trace: fusedattn {retrace['fusedattn-cudnn_ms']:.3f} ms, "
           f"jax.nn cudnn {retrace['jax-cudnn_ms']:.3f} ms "
           f"(added by fusedattn: {retrace['overhead_vs_jax_cudnn_ms']:.3f} ms)")
-    device = re.sub(r"[^A-Za-z0-9]+", "_", str(meta.get("device", "gpu"))).strip("_").lower()
+    device = device_slug(meta)
     name = f"attention_{device}"
     meta.update({"ceilings": ceilings, "first_build": build, "retrace": retrace,
                  "dtype": "bfloat16"})

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import traceback
 
@@ -31,7 +30,8 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
-from common import device_meta, print_table, time_interleaved, warmed, write_results  # noqa: E402
+from common import (device_meta, device_slug, print_table, time_interleaved,  # noqa: E402
+                    warmed, write_results)
 from sharding_cases import collectives  # noqa: E402
 
 import fusedattn  # noqa: E402
@@ -182,7 +182,7 @@ def main():
     print_table(rows, ["case", "split", "efficiency", "sharded_ms", "one_gpu_share_ms",
                        "all-gather", "all-reduce", "collective-permute", "mem_per_device_GiB",
                        "mem_ratio", "error"])
-    device = re.sub(r"[^A-Za-z0-9]+", "_", str(meta.get("device", "gpu"))).strip("_").lower()
+    device = device_slug(meta)
     meta.update({"dtype": "bfloat16", "devices": n,
                  "definition": "efficiency = (time of 1/n of the work on one GPU) / "
                                "(sharded step time); memory = XLA's plan per device "

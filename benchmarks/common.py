@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from typing import Callable, Dict, List, Tuple
@@ -104,6 +105,11 @@ def device_meta() -> Dict[str, str]:
     except Exception:
         pass
     return meta
+
+
+def device_slug(meta: Dict) -> str:
+    """The device name as it goes into result file names ("nvidia_h200")."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", str(meta.get("device", "gpu"))).strip("_").lower()
 
 
 def write_results(name: str, rows: List[dict], meta: Dict, out_dir: str = RESULTS_DIR) -> str:

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn_cases import rel_error
+
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 
 
@@ -50,12 +52,6 @@ def run(f: Callable, args: Sequence, shardings: Sequence, d_out, n_diff: int = 3
     f64 = lambda t: jax.tree_util.tree_map(  # noqa: E731
         lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64), t)
     return f64(single), f64(sharded), counts, compiled.as_text()
-
-
-def rel_error(x, ref) -> float:
-    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-    scale = np.linalg.norm(ref)
-    return float(np.linalg.norm(x - ref) / (scale if scale > 0 else 1.0))
 
 
 def assert_same(single, sharded, tol: float) -> None:
