@@ -45,9 +45,8 @@ def _tile_operands(config: AttnConfig, inputs: AttnInputs, tiling: Tiling):
     to whole tiles, bias, sink offset, token info, dropout seed, score_mod args."""
     cfg = config
     q, k, v = (to_bshd(cfg, x) for x in unpack_qkv(cfg, inputs))
-    b, s_q, h_q, d_qk = q.shape
-    g = h_q // k.shape[2]
-    q5 = _pad_axis(q.reshape(b, s_q, k.shape[2], g, d_qk).transpose(0, 2, 3, 1, 4), 3, tiling.s_q)
+    b = q.shape[0]
+    q5 = _query_tiles(q, k.shape[2], tiling)
     k4 = _pad_axis(k.transpose(0, 2, 1, 3), 2, tiling.s_kv)
     v4 = _pad_axis(v.transpose(0, 2, 1, 3), 2, tiling.s_kv)
     bias = _pad_axis(_pad_axis(inputs.bias, 2, tiling.s_q), 3, tiling.s_kv)
@@ -72,10 +71,10 @@ def _out_from_tiles(config: AttnConfig, out5, s_q: int):
     return from_bshd(config, out)
 
 
-def _out_to_tiles(config: AttnConfig, out, tiling: Tiling, h_kv: int):
-    out = to_bshd(config, out)
-    b, s_q, h_q, d_v = out.shape
-    return _pad_axis(out.reshape(b, s_q, h_kv, h_q // h_kv, d_v).transpose(0, 2, 3, 1, 4),
+def _query_tiles(x, h_kv: int, tiling: Tiling):
+    """A bshd per-query-head tensor (q, out, d_out) -> [b, h_kv, g, S_q, d], padded."""
+    b, s_q, h_q, d = x.shape
+    return _pad_axis(x.reshape(b, s_q, h_kv, h_q // h_kv, d).transpose(0, 2, 3, 1, 4),
                      3, tiling.s_q)
 
 
@@ -108,8 +107,8 @@ def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInp
     operands = _tile_operands(config, inputs, tiling)
     h_kv = operands[1].shape[1]
     lse5 = _pad_axis(lse.reshape(config.batch, h_kv, -1, config.s_q), 3, tiling.s_q)
-    residuals = operands + (_out_to_tiles(config, out, tiling, h_kv), lse5)
-    d_out5 = _out_to_tiles(config, d_out.astype(out.dtype), tiling, h_kv)
+    residuals = operands + (_query_tiles(to_bshd(config, out), h_kv, tiling), lse5)
+    d_out5 = _query_tiles(to_bshd(config, d_out.astype(out.dtype)), h_kv, tiling)
     dq, dk, dv, dbias, d_offset, _ = backward_tiles(config, tiling, residuals, d_out5, None)
     s_q, s_kv = config.s_q, config.s_kv
     dq = _out_from_tiles(config, dq, s_q)
