@@ -121,3 +121,31 @@ def test_frontend_refuses_what_we_refuse(name, sm):
 def test_a_malformed_key_is_reported_not_raised():
     messages = EXT.cudnn_validate_graphs("b=1;sq=2", 90)
     assert all("lacks" in m for m in messages.values()), messages
+
+
+# ---- FP8 graphs (csrc/cuda/cudnn_fp8_graph.cc) -------------------------------------------
+FP8 = dataclasses.replace(BASE, d_qk=128, d_v=128, precision="fp8")
+
+# config change -> per graph: "" (valid) or a fragment of the frontend's refusal, on sm90.
+FP8_ON_HOPPER = {
+    "d128": ({}, {}),
+    "d128-causal-padding-gqa": (dict(mask="causal", sequence="padding", h_kv=2), {}),
+    "d128-e4m3-grads": (dict(fp8_do="e4m3", fp8_grad="e4m3"), {}),
+    "d64": (dict(d_qk=64, d_v=64), {"backward": "hidden_dim shoud be equal to 128"}),
+    "d256": (dict(d_qk=256, d_v=256), {"backward": "hidden_dim shoud be equal to 128"}),
+    "causal-bottom-right": (dict(mask="causal_bottom_right"),
+                            {g: "Blackwell" for g in cudnn.GRAPHS}),
+}
+
+
+@pytest.mark.parametrize("name", list(FP8_ON_HOPPER))
+def test_frontend_fp8_graphs_on_hopper(name):
+    change, refused = FP8_ON_HOPPER[name]
+    cfg = dataclasses.replace(FP8, **change)
+    assert cudnn.config_reason(cfg) is None
+    messages = EXT.cudnn_validate_graphs(cudnn.graph_key(cfg), 90)
+    for graph, message in messages.items():
+        if graph in refused:
+            assert refused[graph] in message, (graph, message)
+        else:
+            assert message == "", (graph, message)

@@ -13,75 +13,49 @@
 
 #include "capture_stats.h"
 #include "cudnn_cache.h"
+#include "cudnn_ffi_common.h"
 #include "cudnn_handles.h"
 #include "module_registry.h"
-#include "xla/ffi/api/ffi.h"
 
 namespace fusedattn::cudnn_attn {
-namespace {
 
-namespace ffi = xla::ffi;
-
+// ---- shared with the FP8 handlers (cudnn_ffi_common.h) ---------------------------
 ffi::Error ffi_error(std::string msg) {
   return ffi::Error(ffi::ErrorCode::kInternal, "fusedattn cuDNN attention: " + std::move(msg));
 }
 
-// Walks RemainingArgs / RemainingRets in the order Python lays them out.
-template <typename Remaining>
-class Cursor {
- public:
-  explicit Cursor(const Remaining& r) : r_(r) {}
-  // ErrorOr<T> for arguments, ErrorOr<Result<T>> for results.
-  template <typename T>
-  auto next() { return r_.template get<T>(i_++); }
-  size_t used() const { return i_; }
- private:
-  const Remaining& r_;
-  size_t i_ = 0;
-};
-
-void* byte_offset(void* base, int64_t elements, size_t element_bytes) {
-  return static_cast<char*>(base) + elements * static_cast<int64_t>(element_bytes);
-}
-
-struct Bindings {
-  std::unordered_map<int64_t, void*> pointers;
-  std::vector<std::pair<void*, size_t>> zero_first;  // outputs padding leaves unwritten
-};
-
-// Inputs shared by both directions: auxiliaries after the main tensors.
-ffi::Error bind_aux_inputs(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindings& b,
-                           bool with_bias_first) {
-  auto bind = [&](Uid uid) -> ffi::Error {
-    auto buf = args.next<ffi::AnyBuffer>();
-    if (buf.has_error()) return buf.error();
-    b.pointers[uid] = buf->untyped_data();
-    return ffi::Error::Success();
-  };
-  if (with_bias_first && p.has_bias())
-    if (auto e = bind(kBias); e.failure()) return e;
-  if (p.has_seq_lens()) {
-    for (Uid u : {kSeqQ, kSeqKV})
-      if (auto e = bind(u); e.failure()) return e;
+ffi::Error parse_key(std::string_view key, AttnParams& p) {
+  try {
+    p = parse_params(key);
+  } catch (const std::exception& e) {
+    return ffi_error(e.what());
   }
-  if (p.packed()) {
-    for (Uid u : {kRaggedQ, kRaggedK, kRaggedV, kRaggedO, kRaggedStats})
-      if (auto e = bind(u); e.failure()) return e;
-  }
-  if (p.has_dropout()) {
-    for (Uid u : {kSeed, kOffset})
-      if (auto e = bind(u); e.failure()) return e;
-  }
-  if (p.has_sink())
-    if (auto e = bind(kSink); e.failure()) return e;
   return ffi::Error::Success();
 }
 
-// q, k, v from one, two or three buffers, at the offsets the packing implies.
+ffi::Error bind_next(Cursor<ffi::RemainingArgs>& args, Bindings& b, Uid uid) {
+  auto buf = args.next<ffi::AnyBuffer>();
+  if (buf.has_error()) return buf.error();
+  b.pointers[uid] = buf->untyped_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error bind_aux_inputs(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindings& b) {
+  std::vector<Uid> uids;
+  if (p.has_bias()) uids.push_back(kBias);
+  if (p.has_seq_lens()) uids.insert(uids.end(), {kSeqQ, kSeqKV});
+  if (p.packed()) uids.insert(uids.end(), {kRaggedQ, kRaggedK, kRaggedV, kRaggedO, kRaggedStats});
+  if (p.has_dropout()) uids.insert(uids.end(), {kSeed, kOffset});
+  if (p.has_sink()) uids.push_back(kSink);
+  for (Uid u : uids)
+    if (auto e = bind_next(args, b, u); e.failure()) return e;
+  return ffi::Error::Success();
+}
+
 ffi::Error bind_qkv(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindings& b) {
   auto q = args.next<ffi::AnyBuffer>();
   if (q.has_error()) return q.error();
-  const size_t es = 2;  // bf16 / fp16
+  const size_t es = p.element_bytes();
   b.pointers[kQ] = byte_offset(q->untyped_data(), q_geometry(p).pointer_offset, es);
   void* k_base = q->untyped_data();
   if (p.packing != Packing::kQKV) {
@@ -100,8 +74,14 @@ ffi::Error bind_qkv(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindi
   return ffi::Error::Success();
 }
 
-// The FFI target a call came through (see the handler definitions below).
-enum class Target { kCommandBuffer, kPlain };
+ffi::Error bind_slots(void* base, size_t size_bytes, const Uid* uids, size_t n, Bindings& b) {
+  const size_t row = kFp8SlotFloats * sizeof(float);
+  if (size_bytes < n * row)
+    return ffi_error("FP8 scalar buffer of " + std::to_string(size_bytes) + " bytes, expected " +
+                     std::to_string(n) + " rows of " + std::to_string(row));
+  for (size_t i = 0; i < n; ++i) b.pointers[uids[i]] = static_cast<char*>(base) + i * row;
+  return ffi::Error::Success();
+}
 
 ffi::Error run_graph(cudaStream_t stream, int device, GraphKind kind, std::string_view key,
                      Bindings& b, ffi::Result<ffi::AnyBuffer> workspace, Target target) {
@@ -136,19 +116,17 @@ ffi::Error check_all_used(size_t used, size_t given, const char* what) {
                    std::to_string(given));
 }
 
+namespace {
+
 ffi::Error forward_impl(cudaStream_t stream, int32_t device, std::string_view key,
                         int64_t training, ffi::RemainingArgs args, ffi::RemainingRets rets,
                         Target target) {
   AttnParams p;
-  try {
-    p = parse_params(key);
-  } catch (const std::exception& e) {
-    return ffi_error(e.what());
-  }
+  if (auto e = parse_key(key, p); e.failure()) return e;
   Bindings b;
   Cursor<ffi::RemainingArgs> in(args);
   if (auto e = bind_qkv(p, in, b); e.failure()) return e;
-  if (auto e = bind_aux_inputs(p, in, b, /*with_bias_first=*/true); e.failure()) return e;
+  if (auto e = bind_aux_inputs(p, in, b); e.failure()) return e;
   if (auto e = check_all_used(in.used(), args.size(), "inputs"); e.failure()) return e;
 
   Cursor<ffi::RemainingRets> out(rets);
@@ -172,20 +150,13 @@ ffi::Error forward_impl(cudaStream_t stream, int32_t device, std::string_view ke
 ffi::Error backward_impl(cudaStream_t stream, int32_t device, std::string_view key,
                          ffi::RemainingArgs args, ffi::RemainingRets rets, Target target) {
   AttnParams p;
-  try {
-    p = parse_params(key);
-  } catch (const std::exception& e) {
-    return ffi_error(e.what());
-  }
+  if (auto e = parse_key(key, p); e.failure()) return e;
   Bindings b;
   Cursor<ffi::RemainingArgs> in(args);
   if (auto e = bind_qkv(p, in, b); e.failure()) return e;
-  for (Uid u : {kO, kdO, kStats}) {
-    auto buf = in.next<ffi::AnyBuffer>();
-    if (buf.has_error()) return buf.error();
-    b.pointers[u] = buf->untyped_data();
-  }
-  if (auto e = bind_aux_inputs(p, in, b, /*with_bias_first=*/true); e.failure()) return e;
+  for (Uid u : {kO, kdO, kStats})
+    if (auto e = bind_next(in, b, u); e.failure()) return e;
+  if (auto e = bind_aux_inputs(p, in, b); e.failure()) return e;
   if (auto e = check_all_used(in.used(), args.size(), "inputs"); e.failure()) return e;
 
   // Gradients mirror the input buffers (a packed qkv input gets a packed dqkv).

@@ -1,5 +1,6 @@
 // Construction of the cuDNN attention graphs (see cudnn_graph.h).
 #include "cudnn_graph.h"
+#include "cudnn_graph_parts.h"
 
 #include <cstdlib>
 #include <string>
@@ -41,8 +42,6 @@ const char* kind_key(GraphKind kind) {
   }
 }
 
-namespace {
-
 TensorPtr add_tensor(fe::graph::Graph& g, const char* name, Uid uid,
                      const TensorGeometry& geom, fe::DataType_t type) {
   return g.tensor(fe::graph::Tensor_attributes()
@@ -58,14 +57,18 @@ TensorPtr add_index_tensor(fe::graph::Graph& g, const char* name, Uid uid, int64
                       .set_data_type(fe::DataType_t::INT32));
 }
 
-// Tensors both directions share, declared identically for forward and backward.
-struct CommonTensors {
-  TensorPtr q, k, v, o, stats, bias, seq_q, seq_kv, seed, offset, sink;
-};
+fe::DataType_t io_type(const AttnParams& p) {
+  if (p.fp8) return fe::DataType_t::FP8_E4M3;
+  return p.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
+}
+
+fe::DataType_t fp8_type(Fp8Type t) {
+  return t == Fp8Type::kE5M2 ? fe::DataType_t::FP8_E5M2 : fe::DataType_t::FP8_E4M3;
+}
 
 CommonTensors declare_common(fe::graph::Graph& g, const AttnParams& p, bool with_stats,
                              bool o_is_input) {
-  const auto io = p.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
+  const auto io = io_type(p);
   CommonTensors t;
   t.q = add_tensor(g, "Q", kQ, q_geometry(p), io);
   t.k = add_tensor(g, "K", kK, k_geometry(p), io);
@@ -99,37 +102,7 @@ CommonTensors declare_common(fe::graph::Graph& g, const AttnParams& p, bool with
   return t;
 }
 
-// Masking, padding, dropout and sink options are the same on both sides.
-template <typename Attrs>
-void set_common_options(Attrs& a, const AttnParams& p, const CommonTensors& t) {
-  a.set_attn_scale(p.scale);
-  if (p.mask != Mask::kNone) {
-    a.set_diagonal_alignment(p.mask == Mask::kCausalBottomRight
-                                 ? fe::DiagonalAlignment_t::BOTTOM_RIGHT
-                                 : fe::DiagonalAlignment_t::TOP_LEFT);
-  }
-  // Our window (left, right) counts keys beside the diagonal; cuDNN's left bound
-  // counts the diagonal itself (keys j > i - left_bound).
-  if (p.window_left >= 0) a.set_diagonal_band_left_bound(static_cast<int>(p.window_left + 1));
-  if (p.window_right >= 0) a.set_diagonal_band_right_bound(static_cast<int>(p.window_right));
-  if (p.window_left >= 0 && p.mask == Mask::kNone)
-    a.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT);
-  if (t.bias) a.set_bias(t.bias);
-  if (p.has_seq_lens()) {
-    a.set_padding_mask(true).set_seq_len_q(t.seq_q).set_seq_len_kv(t.seq_kv);
-  }
-  if (p.packed()) {
-    a.set_max_total_seq_len_q(p.b * p.sq).set_max_total_seq_len_kv(p.b * p.skv);
-  }
-  if (p.has_dropout()) a.set_dropout(p.dropout, t.seed, t.offset);
-  if (t.sink) a.set_sink_token(t.sink);
-  // ALiBi: the frontend adds slope[h] * (kv index - q index) after the bias, with
-  // its own slopes for the hq query heads (detail::get_alibi_slope, which
-  // fusedattn.score_mods.alibi_slopes reproduces). It needs the right bound 0
-  // (causal, top-left); it copies the slopes from host memory into the workspace
-  // on every execute.
-  if (p.alibi) a.set_alibi_mask(true);
-}
+namespace {
 
 // Soft-capping, cap * tanh(s / cap) on the scaled logits, through the frontend's
 // score_mod hook and its Softcap functor (utils/attn_score_modifiers.h). The
@@ -156,15 +129,20 @@ struct SoftcapMod {
   }
 };
 
-void set_output(const TensorPtr& t, const char* name, Uid uid, const TensorGeometry& geom,
-                fe::DataType_t type) {
-  t->set_output(true).set_name(name).set_uid(uid).set_dim(geom.dims)
-      .set_stride(geom.strides).set_data_type(type);
+// ALiBi: the frontend adds slope[h] * (kv index - q index) after the bias, with
+// its own slopes for the hq query heads (detail::get_alibi_slope, which
+// fusedattn.score_mods.alibi_slopes reproduces). It needs the right bound 0
+// (causal, top-left); it copies the slopes from host memory into the workspace
+// on every execute.
+template <typename Attrs>
+void set_alibi(Attrs& a, const AttnParams& p) {
+  if (p.alibi) a.set_alibi_mask(true);
 }
 
 }  // namespace
 
 std::shared_ptr<fe::graph::Graph> make_graph(const AttnParams& p, GraphKind kind, int sm_version) {
+  if (p.fp8) return make_fp8_graph(p, kind, sm_version);
   auto g = std::make_shared<fe::graph::Graph>();
   if (sm_version > 0) g->set_sm_version(sm_version);  // before any node copies the context
   g->set_io_data_type(p.bf16 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF)
@@ -176,6 +154,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const AttnParams& p, GraphKind kind
     CommonTensors t = declare_common(*g, p, /*with_stats=*/false, /*o_is_input=*/false);
     auto attrs = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(training);
     set_common_options(attrs, p, t);
+    set_alibi(attrs, p);
     if (p.has_softcap()) attrs.set_score_mod(SoftcapMod(*g, p.softcap).forward());
     auto [o, stats] = g->sdpa(t.q, t.k, t.v, attrs);
     set_output(o, "O", kO, o_geometry(p), io);
@@ -193,6 +172,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const AttnParams& p, GraphKind kind
   auto attrs = fe::graph::SDPA_backward_attributes().set_name("sdpa_backward")
                    .set_deterministic_algorithm(p.deterministic);
   set_common_options(attrs, p, t);
+  set_alibi(attrs, p);
   if (p.has_softcap()) {
     SoftcapMod softcap(*g, p.softcap);
     attrs.set_score_mod(softcap.forward()).set_score_mod_bprop(softcap.backward());

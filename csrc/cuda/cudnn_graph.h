@@ -1,4 +1,4 @@
-// cuDNN fused attention (BF16/FP16) through XLA's typed FFI, built with
+// cuDNN fused attention (BF16/FP16, and FP8 in cudnn_fp8_graph.cc) through XLA's typed FFI, built with
 // cudnn-frontend's graph API.
 //
 // Three graphs per configuration: forward for inference (no statistics),
@@ -18,13 +18,16 @@
 //
 // The files, one concern each:
 //   cudnn_params.h   the config key -> AttnParams and tensor geometries
-//   cudnn_graph.*    graph construction (this header: uids, kinds, make_graph)
+//   cudnn_graph.*    graph construction (this header: uids, kinds, make_graph);
+//                    cudnn_graph_parts.h holds what the graph files share
+//   cudnn_fp8_graph.cc  the FP8 graphs (sdpa_fp8, sdpa_fp8_backward)
 //   cudnn_handles.h  device scope and the per-device pool of cuDNN handles
 //   cudnn_cache.*    the thread-safe graph cache (build once, keep the plan)
-//   cudnn_ffi.cc     the FFI handlers and their targets
+//   cudnn_ffi.cc     the FFI handlers and their targets (cudnn_ffi_common.h:
+//                    what they share with the FP8 handlers in cudnn_fp8_ffi.cc)
 //   cudnn_python.cc  support probes, validation, versions for Python
-// New graph families (FP8, lowered score_mods) add their own graph file beside
-// cudnn_graph.cc and reuse the cache, handles and handler plumbing.
+// New graph families (lowered score_mods next) add their own graph file beside
+// cudnn_graph.cc and reuse the cache, handles and handler plumbing, as FP8 does.
 #pragma once
 
 #include <cudnn_frontend.h>
@@ -47,7 +50,21 @@ enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kBias, kSeqQ, kSeqKV,
   kRaggedQ, kRaggedK, kRaggedV, kRaggedO, kRaggedStats,
   kSeed, kOffset, kSink, kdO, kdQ, kdK, kdV, kdBias, kdSink,
+  // FP8 scale factors (fp32 scalars, in the order of kFp8Scales) and amaxes.
+  kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO, kDescaleO, kDescaleDO,
+  kDescaleDP, kScaleDQ, kScaleDK, kScaleDV, kScaleDP,
+  kAmaxS, kAmaxO, kAmaxDQ, kAmaxDK, kAmaxDV, kAmaxDP,
 };
+
+// FP8 scalars travel in one fp32 buffer of [n, kFp8SlotFloats]: scalar i at row i,
+// so each cuDNN scalar tensor gets a 16-byte aligned pointer. Python
+// (backends/cudnn_fp8.py) writes and reads them in these orders.
+constexpr int64_t kFp8SlotFloats = 4;
+constexpr std::array<Uid, 13> kFp8Scales = {
+    kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO, kDescaleO,
+    kDescaleDO, kDescaleDP, kScaleDQ, kScaleDK, kScaleDV, kScaleDP};
+constexpr std::array<Uid, 2> kFp8ForwardAmaxes = {kAmaxS, kAmaxO};
+constexpr std::array<Uid, 4> kFp8BackwardAmaxes = {kAmaxDQ, kAmaxDK, kAmaxDV, kAmaxDP};
 
 constexpr std::array<GraphKind, 3> kKinds = {GraphKind::kForwardInference,
                                               GraphKind::kForwardTraining, GraphKind::kBackward};

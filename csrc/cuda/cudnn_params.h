@@ -22,6 +22,7 @@ enum class Packing { kSeparate = 0, kQKV = 1, kKV = 2 };
 enum class Mask { kNone = 0, kCausal = 1, kCausalBottomRight = 2 };
 enum class Softmax { kVanilla = 0, kOffByOne = 1, kLearnable = 2 };
 enum class Sequence { kDense = 0, kPadding = 1, kPacked = 2 };
+enum class Fp8Type { kE4M3 = 0, kE5M2 = 1 };
 
 struct AttnParams {
   int64_t b = 0, sq = 0, skv = 0, hq = 0, hkv = 0, dqk = 0, dv = 0;
@@ -40,6 +41,11 @@ struct AttnParams {
   // Built-in score_mods (src/fusedattn/score_mods.py) lowered to cuDNN:
   bool alibi = false;    // ALiBi with cuDNN's slopes for hq heads (set_alibi_mask)
   float softcap = 0.f;   // > 0: cap * tanh(s / cap) (score_mod + its backward)
+  // FP8 (cudnn_fp8_graph.cc): q, k, v, o in E4M3 with per-tensor scales; dO and
+  // the gradients dq, dk, dv each E4M3 or E5M2.
+  bool fp8 = false;
+  Fp8Type fp8_do = Fp8Type::kE4M3;
+  Fp8Type fp8_grad = Fp8Type::kE4M3;
 
   bool has_bias() const { return bias_dims[0] != 0; }
   bool has_dropout() const { return dropout > 0.f; }
@@ -48,6 +54,8 @@ struct AttnParams {
   bool has_seq_lens() const { return sequence != Sequence::kDense; }
   bool has_softcap() const { return softcap > 0.f; }
   bool packed() const { return sequence == Sequence::kPacked; }
+  // Bytes per element of q, k, v, o as the handlers receive them.
+  size_t element_bytes() const { return fp8 ? 1 : 2; }
   // Sequences cuDNN sees: one per row, or one per segment of a packed row.
   int64_t batch() const { return packed() ? b * segments : b; }
 };
@@ -92,6 +100,9 @@ inline AttnParams parse_params(std::string_view key) {
   p.deterministic = i64("det") != 0;
   p.alibi = i64("alibi") != 0;
   p.softcap = f32("softcap");
+  p.fp8 = i64("fp8") != 0;
+  p.fp8_do = static_cast<Fp8Type>(i64("fp8_do"));
+  p.fp8_grad = static_cast<Fp8Type>(i64("fp8_grad"));
   if (p.b <= 0 || p.sq <= 0 || p.skv <= 0 || p.hq <= 0 || p.hkv <= 0 || p.dqk <= 0 || p.dv <= 0)
     throw std::invalid_argument("cudnn attention key has a non-positive dimension");
   if (!(p.softcap >= 0.f))  // also rejects NaN

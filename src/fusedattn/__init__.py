@@ -1,5 +1,5 @@
 """fusedattn: fused attention for JAX on NVIDIA and AMD GPUs, with a portable XLA backend."""
-from . import score_mods
+from . import fp8, score_mods
 from .api import explain, fused_attn
 from .config import AttnConfig
 from .context_parallel import ContextParallel
@@ -9,5 +9,5 @@ from .sequence import SequenceDescriptor
 from .small_seq_api import fused_attn_small_seq
 
 __all__ = ["fused_attn", "fused_attn_small_seq", "dot_product_attention", "explain", "AttnConfig",
-           "ContextParallel", "Plan", "SequenceDescriptor", "UnsupportedError", "score_mods"]
+           "ContextParallel", "Plan", "SequenceDescriptor", "UnsupportedError", "fp8", "score_mods"]
 __version__ = "0.1.0"

@@ -6,7 +6,7 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import jax
 
-from . import dispatch, partitioning
+from . import dispatch, fp8, partitioning
 from .context_parallel import ContextParallel
 from .context_parallel import attention as context_parallel_attention
 from .context_parallel import axis_size
@@ -28,6 +28,7 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
                score_mod_args: Sequence[jax.Array] = (),
                deterministic: bool = False,
                layout: str = "bshd",
+               precision: Optional[str] = None,
                context_parallel: Optional[ContextParallel] = None,
                backend: str = "auto") -> jax.Array:
     """Scaled dot-product attention on the best backend for this platform and config.
@@ -51,6 +52,10 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
       score_mod, score_mod_args: ``f(score, batch, head, q_idx, kv_idx, *args)``
         applied to the scaled (and biased) logits.
       deterministic: ask for a bitwise-reproducible backward pass.
+      precision: None, or ``"fp8"``: q, k, v (bf16 / fp16) are quantized to FP8 E4M3
+        with per-tensor current scaling inside the jit, the FP8 kernels run, and the
+        output and gradients come back in q's dtype (see `fusedattn.fp8`; tensors
+        already in FP8 with scales of their own go to `fusedattn.fp8.attention`).
       context_parallel: a `ContextParallel` when q, k, v are sharded along their
         sequence over a mesh axis (ring or all-gather of kv; see
         `fusedattn.context_parallel`). Batch and head splits need nothing: every
@@ -64,12 +69,14 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
         q, k, v, bias=bias, sequence=sequence, mask=mask, window=window, scale=scale,
         softmax=softmax, softmax_offset=softmax_offset, dropout=dropout, rng=rng,
         score_mod=score_mod, score_mod_args=score_mod_args, deterministic=deterministic,
-        layout=layout)
+        layout=layout, precision=precision)
     cp = _check_context_parallel(context_parallel)
     plan = dispatch.plan(config, backend, context_parallel=cp)
     if cp is not None:
         plan.backend  # noqa: B018 - raises UnsupportedError with every reason
         return context_parallel_attention(config, inputs, cp, plan.chosen)
+    if config.is_fp8:
+        return fp8.current_scaling_attention(config, inputs, plan.backend.name)
     return plan.backend.attention(config, inputs)
 
 

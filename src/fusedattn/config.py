@@ -38,6 +38,10 @@ QKV_PACKINGS = ("separate", "qkv", "kv")
 # offsets [b + 1], one query per sequence); only the small_seq backend reads it.
 SEQUENCE_KINDS = ("dense", "padding", "packed", "ragged")
 DTYPES = ("bfloat16", "float16", "float32")
+# "fp8": q, k, v (and o) run through FP8 E4M3 kernels with per-tensor scales
+# (fusedattn.fp8); dtype stays the high-precision dtype of the unquantized tensors.
+PRECISIONS = ("default", "fp8")
+FP8_FORMATS = ("e4m3", "e5m2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,12 @@ class AttnConfig:
     score_mod: Optional[Callable] = dataclasses.field(default=None, compare=True)
     score_mod_arg_specs: Tuple[Tuple[Tuple[int, ...], str], ...] = ()
     deterministic: bool = False
+    precision: str = "default"
+    # FP8 only: the formats of d_out and of the gradients dq, dk, dv (q, k, v and o
+    # are always E4M3), and whether the output stays FP8 (fusedattn.fp8.attention).
+    fp8_do: str = "e5m2"
+    fp8_grad: str = "e5m2"
+    fp8_out: bool = False
     # Which public entry point made the config ("fused_attn" or "small_seq").
     api: str = "fused_attn"
 
@@ -87,6 +97,10 @@ class AttnConfig:
     @property
     def bottom_right(self) -> bool:
         return self.mask == "causal_bottom_right"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.precision == "fp8"
 
     @property
     def has_dropout(self) -> bool:
@@ -142,4 +156,7 @@ class AttnConfig:
             parts.append("score_mod=" + getattr(self.score_mod, "__name__", "fn"))
         if self.deterministic:
             parts.append("deterministic")
+        if self.is_fp8:
+            parts.append(f"fp8(do {self.fp8_do}, grads {self.fp8_grad}"
+                         + (", fp8 out)" if self.fp8_out else ")"))
         return " ".join(parts)

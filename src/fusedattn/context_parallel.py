@@ -87,6 +87,8 @@ def config_reason(config: AttnConfig, cp: ContextParallel, n: int) -> Optional[s
     zigzag = config.causal and cp.load_balance
     parts = 2 * n if zigzag else n
     rules = (
+        (config.is_fp8, "context parallelism runs BF16/FP16 blocks; precision='fp8' is not "
+                        "split along the sequence"),
         (config.layout != "bshd" or config.qkv_packing != "separate",
          "context parallelism takes separate q, k, v in the bshd layout"),
         (config.s_q != config.s_kv, f"context parallelism needs s_q == s_kv (got {config.s_q}, "

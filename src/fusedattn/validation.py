@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .backends.base import AttnInputs
-from .config import DTYPES, MASKS, SOFTMAX_TYPES, AttnConfig
+from .config import DTYPES, MASKS, PRECISIONS, SOFTMAX_TYPES, AttnConfig
 from .sequence import SequenceDescriptor
 
 # layout argument -> (tensor layout, qkv packing)
@@ -198,10 +198,21 @@ def _check_score_mod(score_mod, args, batch: int, h_q: int) -> None:
                          f"array shaped like score")
 
 
+def _check_precision(precision, dtype: str) -> str:
+    if precision is None:
+        return "default"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be None or one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp8" and dtype not in ("bfloat16", "float16"):
+        raise TypeError(f"precision='fp8' takes bfloat16 or float16 q, k, v (fusedattn quantizes "
+                        f"them), got {dtype}; for tensors already in FP8 use fusedattn.fp8.attention")
+    return precision
+
+
 def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, scale=None,
                softmax="vanilla", softmax_offset=None, dropout=0.0, rng=None, score_mod=None,
-               score_mod_args=(), deterministic=False, layout="bshd", api="fused_attn"
-               ) -> Tuple[AttnConfig, AttnInputs]:
+               score_mod_args=(), deterministic=False, layout="bshd", precision=None,
+               api="fused_attn") -> Tuple[AttnConfig, AttnInputs]:
     """Validate `fused_attn` arguments and build the config and the inputs."""
     if layout not in LAYOUT_ARGS:
         raise ValueError(f"layout must be one of {tuple(LAYOUT_ARGS)}, got {layout!r}")
@@ -295,13 +306,15 @@ def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, s
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
 
+    precision = _check_precision(precision, dtype)
     kind = check_sequence(sequence, batch, s_q, s_kv)
     config = AttnConfig(
         batch=batch, s_q=s_q, s_kv=s_kv, h_q=h_q, h_kv=h_kv, d_qk=d_qk, d_v=vshape[3],
         dtype=dtype, layout=tensor_layout, qkv_packing=packing, mask=mask, window=window,
         bias_shape=bias_shape, scale=float(scale), softmax=softmax, dropout=dropout,
         sequence=kind, max_segments=sequence.max_segments if kind == "packed" else 1,
-        score_mod=score_mod, score_mod_arg_specs=arg_specs, deterministic=deterministic, api=api)
+        score_mod=score_mod, score_mod_arg_specs=arg_specs, deterministic=deterministic,
+        precision=precision, api=api)
     inputs = AttnInputs(q=q, k=k, v=v, bias=bias, softmax_offset=softmax_offset,
                         sequence=sequence, rng=rng if dropout > 0.0 else None,
                         score_mod_args=tuple(score_mod_args))

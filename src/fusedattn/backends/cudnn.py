@@ -1,4 +1,5 @@
-"""The cuDNN backend: our own cuDNN fused attention (BF16/FP16) through XLA FFI.
+"""The cuDNN backend: our own cuDNN fused attention (BF16/FP16; FP8 kernels in
+`cudnn_fp8`) through XLA FFI.
 
 The C++ side (csrc/cuda/cudnn_*.{h,cc}; cudnn_graph.h maps the files) builds
 cudnn-frontend graphs (inference forward, training forward, backward) for a
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import fp8
 from ..config import AttnConfig
 from ..score_mods import Alibi, SoftCap
 from . import native, native_call
@@ -44,7 +46,11 @@ TARGET_BWD = "fusedattn_cudnn_bwd"
 # copies from host memory (ALiBi slopes): XLA never captures them.
 TARGET_FWD_NOCMDBUF = "fusedattn_cudnn_fwd_nocmdbuf"
 TARGET_BWD_NOCMDBUF = "fusedattn_cudnn_bwd_nocmdbuf"
-TARGETS = (TARGET_FWD, TARGET_BWD, TARGET_FWD_NOCMDBUF, TARGET_BWD_NOCMDBUF)
+# FP8 graphs (backends/cudnn_fp8.py) copy nothing from the host: command-buffer safe.
+TARGET_FP8_FWD = "fusedattn_cudnn_fp8_fwd"
+TARGET_FP8_BWD = "fusedattn_cudnn_fp8_bwd"
+TARGETS = (TARGET_FWD, TARGET_BWD, TARGET_FWD_NOCMDBUF, TARGET_BWD_NOCMDBUF, TARGET_FP8_FWD,
+           TARGET_FP8_BWD)
 DTYPES = ("bfloat16", "float16")
 _INT32_MAX = 2**31 - 1
 
@@ -86,6 +92,9 @@ def graph_key(config: AttnConfig) -> str:
         ("det", int(config.deterministic)),
         ("alibi", int(isinstance(config.score_mod, Alibi))),
         ("softcap", repr(config.score_mod.cap if isinstance(config.score_mod, SoftCap) else 0.0)),
+        ("fp8", int(config.is_fp8)),
+        ("fp8_do", int(config.is_fp8 and config.fp8_do == "e5m2")),
+        ("fp8_grad", int(config.is_fp8 and config.fp8_grad == "e5m2")),
     )
     return ";".join(f"{name}={value}" for name, value in fields)
 
@@ -94,6 +103,10 @@ def config_reason(config: AttnConfig) -> Optional[str]:
     """What this backend cannot do, decided from the config alone (None: ask cuDNN)."""
     if config.dtype not in DTYPES:
         return f"dtype {config.dtype}: cuDNN fused attention here is {'/'.join(DTYPES)} only"
+    if config.is_fp8:
+        why = fp8.config_reason(config)
+        if why is not None:
+            return why
     why = score_mod_reason(config)
     if why is not None:
         return why
@@ -239,6 +252,7 @@ def host_copies(config: AttnConfig, found: Probe) -> Tuple[bool, bool, bool]:
 class _CudnnBackend:
     name = "cudnn"
     platforms = ("cuda",)
+    fp8 = True  # FP8 kernels in backends/cudnn_fp8.py
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         why = config_reason(config)
@@ -267,18 +281,21 @@ class _Static:
     targets: Tuple[str, str, str] = (TARGET_FWD, TARGET_FWD, TARGET_BWD)
 
 
-def _static(config: AttnConfig) -> _Static:
+def static_call(config: AttnConfig) -> _Static:
     """The graphs of `config` (built, or found in the cache) and the targets to call."""
     why = BACKEND.supports(config)
     if why is not None:
         raise ValueError(f"cudnn backend cannot run {config.short()}: {why}")
     found = probe(config)
+    _register()
+    if config.is_fp8:
+        targets = (TARGET_FP8_FWD, TARGET_FP8_FWD, TARGET_FP8_BWD)
+        return _Static(config, graph_key(config), found.workspace, targets)
     copies = host_copies(config, found)
     targets = tuple(
         (TARGET_BWD_NOCMDBUF if copy else TARGET_BWD) if graph == "backward"
         else (TARGET_FWD_NOCMDBUF if copy else TARGET_FWD)
         for graph, copy in zip(GRAPHS, copies))
-    _register()
     return _Static(config, graph_key(config), found.workspace, targets)
 
 
@@ -297,16 +314,16 @@ def _operands(config: AttnConfig, inputs: AttnInputs):
 
 def forward(config: AttnConfig, inputs: AttnInputs, training: bool):
     """(out, fp32 lse [b, h_q, s_q] when training); ``inputs.rng`` is raw bits."""
-    out, stats = _forward_call(_static(config), _operands(config, inputs),
-                               _aux_arrays(config, inputs), training)
-    return out, (None if stats is None else _lse(config, stats))
+    out, stats = _forward_call(static_call(config), _operands(config, inputs),
+                               aux_arrays(config, inputs), training)
+    return out, (None if stats is None else lse_from_stats(config, stats))
 
 
 def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
     """Gradients of q, k, v (as packed as the inputs), bias and softmax_offset."""
     stats = jnp.swapaxes(lse, 1, 2) if config.is_packed else lse
     d_q, d_k, d_v, d_bias, d_sink = _backward_call(
-        _static(config), _operands(config, inputs), _aux_arrays(config, inputs), out, stats, d_out)
+        static_call(config), _operands(config, inputs), aux_arrays(config, inputs), out, stats, d_out)
     if d_bias is not None:
         d_bias = d_bias.astype(inputs.bias.dtype)
     d_offset = None
@@ -325,7 +342,7 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
     return native_call.attention("cudnn", config, inputs, need_lse=need_lse)
 
 
-def _aux_arrays(config: AttnConfig, inputs: AttnInputs) -> Tuple[jax.Array, ...]:
+def aux_arrays(config: AttnConfig, inputs: AttnInputs) -> Tuple[jax.Array, ...]:
     """Sequence lengths, ragged offsets and dropout seed/offset, in the handlers' order."""
     aux = []
     seq = inputs.sequence
@@ -368,13 +385,13 @@ def _packed_arrays(config: AttnConfig, seq):
             tq * config.h_q]  # statistics: token-major [b * s_q, h_q]
 
 
-def _out_shape(config: AttnConfig):
+def out_shape(config: AttnConfig):
     if config.layout == "sbhd":
         return (config.s_q, config.batch, config.h_q, config.d_v)
     return (config.batch, config.s_q, config.h_q, config.d_v)
 
 
-def _stats_shape(config: AttnConfig):
+def stats_shape(config: AttnConfig):
     """cuDNN's statistics buffer: [b, h, s_q], or token-major [b, s_q, h] when packed
     (the layout cudnn-frontend sizes its THD backward workspace for)."""
     if config.is_packed:
@@ -382,12 +399,12 @@ def _stats_shape(config: AttnConfig):
     return (config.batch, config.h_q, config.s_q)
 
 
-def _lse(config: AttnConfig, stats):
+def lse_from_stats(config: AttnConfig, stats):
     """The contract's fp32 LSE [b, h_q, s_q] from cuDNN's statistics buffer."""
     return jnp.swapaxes(stats, 1, 2) if config.is_packed else stats
 
 
-def _workspace(nbytes: int):
+def workspace_shape(nbytes: int):
     """The workspace output: the probe's size, cudnn-frontend's get_workspace_size,
     which counts the frontend's own part too (ALiBi slopes, copied to its start on
     every execute; cuDNN's plan uses what follows)."""
@@ -401,10 +418,10 @@ def _forward_call(static: _Static, diff, aux, training: bool):
     args += [bias] if bias is not None else []
     args += list(aux)
     args += [sink] if sink is not None else []
-    results = [jax.ShapeDtypeStruct(_out_shape(cfg), q.dtype)]
+    results = [jax.ShapeDtypeStruct(out_shape(cfg), q.dtype)]
     if training:
-        results.append(jax.ShapeDtypeStruct(_stats_shape(cfg), jnp.float32))
-    results.append(_workspace(static.workspace[1 if training else 0]))
+        results.append(jax.ShapeDtypeStruct(stats_shape(cfg), jnp.float32))
+    results.append(workspace_shape(static.workspace[1 if training else 0]))
     target = static.targets[1 if training else 0]
     outs = jax.ffi.ffi_call(target, tuple(results), vmap_method="sequential")(
         *args, key=static.key, training=np.int64(training))
@@ -424,7 +441,7 @@ def _backward_call(static: _Static, diff, aux, o, lse, d_o):
         results.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))
     if cfg.softmax == "learnable":
         results.append(jax.ShapeDtypeStruct((cfg.h_q,), jnp.float32))
-    results.append(_workspace(static.workspace[2]))
+    results.append(workspace_shape(static.workspace[2]))
     outs = list(jax.ffi.ffi_call(static.targets[2], tuple(results), vmap_method="sequential")(
         *args, key=static.key))
     grads = iter(outs[:len(buffers)])

@@ -129,6 +129,7 @@ def attention(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
 class _XlaBackend:
     name = "xla"
     platforms = ("cpu", "cuda", "rocm")
+    fp8 = True  # the emulation in backends/xla_fp8.py
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         """Everything `AttnConfig` describes; a reason only for values it does not know."""
@@ -143,6 +144,9 @@ class _XlaBackend:
                     "fused_attn_small_seq gives other backends a padded view")
         if config.h_q % config.h_kv:
             return f"h_q={config.h_q} is not a multiple of h_kv={config.h_kv}"
+        if config.is_fp8:
+            from .. import fp8  # noqa: PLC0415 - fusedattn.fp8 loads backends lazily
+            return fp8.config_reason(config)
         return None
 
     def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:

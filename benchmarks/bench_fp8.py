@@ -1,0 +1,179 @@
+"""FP8 attention on one GPU, in one process, round-robin (benchmarks/common.py).
+
+Rows at b4 s4096 h16 d128, causal and not, forward and forward+backward:
+  fusedattn-fp8         fused_attn(..., precision="fp8"): bf16 in and out, current
+                        scaling (amax, quantize, dequantize) inside the same jit
+  fusedattn-fp8-kernel  fusedattn.fp8.attention on FP8 tensors with given scales, FP8
+                        out (the kernels alone, as a delayed-scaling loop runs them)
+  fusedattn-cudnn       our BF16 path
+  jax-cudnn             jax.nn.dot_product_attention(implementation="cudnn"), BF16
+  flash-attn3           flash-attn3-jax, BF16 (when importable)
+  cudnn-fe-fp8          cudnn-frontend's own Python graph of sdpa_fp8 (forward; the
+                        ceiling), when its bindings load
+
+    python benchmarks/bench_fp8.py [--quick]
+
+Writes benchmarks/results/fp8_<device>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_attention import _fa3, _fwd_bwd, _inputs  # noqa: E402
+from common import device_meta, device_slug, print_table, time_interleaved, warmed, write_results  # noqa: E402
+
+import fusedattn  # noqa: E402
+from fusedattn import fp8  # noqa: E402
+from fusedattn.config import AttnConfig  # noqa: E402
+
+SHAPE = ("b4 s4096 h16 d128", 4, 4096, 16, 16, 128)
+
+
+def _explicit(causal: bool, scales):
+    def run(q8, k8, v8):
+        return fp8.attention(q8, k8, v8, scales, mask="causal" if causal else "none",
+                             backend="cudnn")[0]
+    return run
+
+
+def implementations(causal: bool):
+    mask = "causal" if causal else "none"
+    impls = {
+        "fusedattn-fp8": lambda q, k, v: fusedattn.fused_attn(q, k, v, mask=mask,
+                                                              precision="fp8", backend="cudnn"),
+        "fusedattn-cudnn": lambda q, k, v: fusedattn.fused_attn(q, k, v, mask=mask,
+                                                                backend="cudnn"),
+        "jax-cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn"),
+    }
+    fa3 = _fa3()
+    if fa3 is not None:
+        impls["flash-attn3"] = lambda q, k, v: fa3(q, k, v, is_causal=causal)
+    return impls
+
+
+class _RawCudnnFp8:
+    """cudnn-frontend's Python graph of sdpa_fp8 on cupy buffers: no JAX, no FFI."""
+
+    def __init__(self, b, s, h, d, causal):
+        import cudnn
+        import cupy as cp
+        self.cp = cp
+        dt = cudnn.data_type
+        self.handle = cudnn.create_handle()
+        g = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT,
+                          compute_data_type=dt.FLOAT, handle=self.handle)
+        dims, strides = [b, h, s, d], [s * h * d, d, h * d, 1]
+        qkv = [g.tensor(name=n, dim=dims, stride=strides, data_type=dt.FP8_E4M3) for n in "QKV"]
+        scal = [g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
+                for n in ("dq", "dk", "dv", "ds", "ss", "so")]
+        o, _, amax_s, amax_o = g.sdpa_fp8(*qkv, *scal, generate_stats=False,
+                                          attn_scale=d ** -0.5, use_causal_mask=causal)
+        o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(dt.FP8_E4M3)
+        for a in (amax_s, amax_o):
+            a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans()
+        n = b * s * h * d
+        self.buffers = {t: cp.ones(n, cp.uint8) * 56 for t in qkv + [o]}  # 56: E4M3 1.0
+        self.buffers.update({t: cp.ones(4, cp.float32) for t in scal + [amax_s, amax_o]})
+        self.workspace = cp.empty(max(g.get_workspace_size(), 1), cp.uint8)
+        self.pack = {t: buf.data.ptr for t, buf in self.buffers.items()}
+        self.graph = g
+
+    def __call__(self):
+        self.graph.execute(self.pack, self.workspace.data.ptr, handle=self.handle)
+        return self
+
+    def block_until_ready(self):
+        self.cp.cuda.Device().synchronize()
+        return self
+
+
+def bench(shape):
+    name, b, s, hq, hkv, d = shape
+    q, k, v, do = _inputs(b, s, hq, hkv, d)
+    scales, _ = fp8.forward_scales(q, k, v)
+    scales = scales._replace(do=fp8.scale_for(fp8.amax(do)), dq=jnp.float32(1.0),
+                             dk=jnp.float32(1.0), dv=jnp.float32(1.0), dp=jnp.float32(1.0))
+    q8, k8, v8 = (fp8.quantize(x, s_) for x, s_ in ((q, scales.q), (k, scales.k), (v, scales.v)))
+    do8 = fp8.quantize(do, scales.do)
+    rows, notes = [], {}
+    for causal in (False, True):
+        cfg = AttnConfig(batch=b, s_q=s, s_kv=s, h_q=hq, h_kv=hkv, d_qk=d, d_v=d,
+                         dtype="bfloat16", mask="causal" if causal else "none")
+        for mode in ("fwd", "fwd+bwd"):
+            row = {"shape": name, "causal": causal, "mode": mode}
+            flops = cfg.flops(backward=(mode == "fwd+bwd"))
+            calls = {}
+            impls = dict(implementations(causal))
+            impls["fusedattn-fp8-kernel"] = _explicit(causal, scales)
+            for impl, fn in impls.items():
+                explicit = impl == "fusedattn-fp8-kernel"
+                args = (q8, k8, v8) if explicit else (q, k, v)
+                if mode == "fwd":
+                    f = jax.jit(fn)
+                else:
+                    f, args = _fwd_bwd(fn), args + ((do8 if explicit else do),)
+                try:
+                    calls[impl] = (warmed(f, *args), args)
+                except Exception as e:
+                    row[impl] = None
+                    notes[f"{impl} {mode}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            if mode == "fwd":
+                try:
+                    raw = _RawCudnnFp8(b, s, hq, d, causal)
+                    calls["cudnn-fe-fp8"] = (warmed(raw), ())
+                except Exception as e:
+                    notes["cudnn-fe-fp8"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            for impl, t in time_interleaved(calls).items():
+                row[impl] = flops / t / 1e12
+                row[impl + "_ms"] = t * 1e3
+            for ours in ("fusedattn-fp8", "fusedattn-fp8-kernel"):
+                for anchor in ("fusedattn-cudnn", "jax-cudnn", "flash-attn3", "cudnn-fe-fp8"):
+                    if row.get(ours) and row.get(anchor):
+                        row[f"{ours} x {anchor}"] = row[ours] / row[anchor]
+            rows.append(row)
+            print(f"  causal={causal} {mode}: " + ", ".join(
+                f"{i}={round(row[i])}" for i in row if not i.endswith("_ms") and " x " not in i
+                and isinstance(row[i], float)), flush=True)
+    return rows, notes
+
+
+def main():
+    argparse.ArgumentParser().parse_args()
+    if jax.default_backend() != "gpu":
+        print("bench_fp8: needs a CUDA GPU, skipped")
+        return
+    meta = device_meta()
+    print(f"device {meta.get('device')}  jax {meta.get('jax')}  cuDNN {meta.get('cudnn')}  "
+          f"frontend {meta.get('cudnn_frontend')}", flush=True)
+    rows, notes = bench(SHAPE)
+    cols = ["shape", "causal", "mode", "fusedattn-fp8", "fusedattn-fp8-kernel", "fusedattn-cudnn",
+            "jax-cudnn", "flash-attn3", "cudnn-fe-fp8", "fusedattn-fp8 x fusedattn-cudnn",
+            "fusedattn-fp8-kernel x fusedattn-cudnn", "fusedattn-fp8-kernel x cudnn-fe-fp8"]
+    print("\nTFLOP/s (causal FLOPs halved; FP8 rows count the same FLOPs)")
+    print_table(rows, cols)
+    for k, v in notes.items():
+        print(f"note: {k}: {v}")
+    meta.update({"notes": notes, "shape": SHAPE[0]})
+    path = write_results(f"fp8_{device_slug(meta)}", rows, meta)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)

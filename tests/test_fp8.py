@@ -1,0 +1,162 @@
+"""FP8 attention on CPU: the XLA emulation against the float64 oracle (both API
+levels), validation, dispatch reasons, the delayed-scaling recipe, and lowering of
+the cuDNN FP8 calls for CUDA without a GPU. The same cases run on cuDNN in
+tests/gpu/test_fp8_gpu.py."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8_cases as fc
+import fusedattn
+from fusedattn import dispatch, fp8
+from fusedattn.backends import cudnn
+
+CASES = [
+    fc.Fp8Case(),
+    fc.Fp8Case(mask="causal", h_kv=2),
+    fc.Fp8Case(padding=True, layout="sbhd"),
+    fc.Fp8Case(mask="causal", padding=True, dtype="float16", d=32),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=fc.Fp8Case.label)
+def test_current_scaling_matches_the_oracle(case):
+    fc.check_current_scaling(case, backend="xla")
+
+
+@pytest.mark.parametrize("out_dtype", [fp8.E4M3, jnp.bfloat16], ids=["fp8_out", "bf16_out"])
+@pytest.mark.parametrize("case", CASES[:2], ids=fc.Fp8Case.label)
+def test_explicit_fp8_matches_the_oracle(case, out_dtype):
+    errors = fc.check_explicit(case, out_dtype, backend="xla")
+    # The emulation's S is exact fp32; its dP uses the FP8 o (as the kernels do), so
+    # its amax is the oracle's to within o's rounding.
+    assert errors["amax_s"] <= 1.0 + 1e-6
+    assert abs(errors["amax_dp"] - errors["oracle_amax_dp"]) <= fc.OUT_TOL * errors["oracle_amax_dp"]
+
+
+def test_quantize_saturates_and_round_trips():
+    x = jnp.array([0.0, 1.0, -3.0, 1e6, -1e6], jnp.float32)
+    q8 = fp8.quantize(x, jnp.float32(2.0))
+    assert q8.dtype == jnp.dtype(fp8.E4M3)
+    np.testing.assert_array_equal(np.asarray(q8.astype(jnp.float32)), [0, 2, -6, 448, -448])
+    np.testing.assert_array_equal(np.asarray(fp8.dequantize(q8, 2.0, jnp.float32)),
+                                  [0, 1, -3, 224, -224])
+    assert float(fp8.scale_for(jnp.float32(0.0))) == 1.0
+    assert float(fp8.scale_for(jnp.float32(2.0), "e5m2")) == 57344.0 / 2
+
+
+def test_bounded_scales_never_saturate():
+    """The backward's bound-based scales keep the real gradients inside the format."""
+    case = fc.Fp8Case(mask="causal", h_kv=2)
+    q, k, v, d_out, seq = fc.inputs(case)
+    config, _ = fusedattn.validation.build_call(q, k, v, mask="causal", precision="fp8")
+    fwd, stats = fp8.forward_scales(q, k, v)
+    bwd = fp8.backward_scales(config, fwd, stats, d_out)
+    ref = fc.reference(case, *fc.current_scaling_inputs(q, k, v), d_out, seq)
+    top = fp8.FP8_MAX[config.fp8_grad]
+    for name, grad in (("dq", ref.dq), ("dk", ref.dk), ("dv", ref.dv)):
+        assert np.abs(grad).max() * float(getattr(bwd, name)) <= top, name
+    assert np.abs(ref.out).max() * float(fwd.o) <= 448
+
+
+def test_one_argument_mode_trains_like_bf16():
+    """A toy regression: a few SGD steps through precision='fp8' lower the loss as BF16 does."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 32, 16)), jnp.bfloat16)
+    target = jnp.asarray(rng.standard_normal((2, 32, 2, 8)), jnp.float32)
+    w0 = jnp.asarray(rng.standard_normal((3, 16, 16)) * 0.3, jnp.float32)
+
+    def loss(w, precision):
+        q, k, v = (jnp.einsum("bsc,cf->bsf", x, wi.astype(jnp.bfloat16)).reshape(2, 32, 2, 8)
+                   for wi in w)
+        out = fusedattn.fused_attn(q, k, v, mask="causal", precision=precision)
+        return jnp.mean((out.astype(jnp.float32) - target) ** 2)
+
+    def train(precision):
+        w, losses = w0, []
+        step = jax.jit(jax.value_and_grad(lambda w: loss(w, precision)))
+        for _ in range(8):
+            value, g = step(w)
+            losses.append(float(value))
+            w = w - 2.0 * g
+        return losses
+    bf16, f8 = train(None), train("fp8")
+    assert f8[-1] < 0.9 * f8[0]
+    assert abs(f8[-1] - bf16[-1]) < 0.1 * bf16[0]
+
+
+def test_delayed_scaling_recipe_is_pure_and_jittable():
+    state = fp8.DelayedScaling.init(history_len=3)
+    fwd = fp8.ForwardAmax(jnp.float32(1.0), jnp.float32(2.0))
+    bwd = fp8.BackwardAmax(*(jnp.float32(x) for x in (3.0, 4.0, 5.0, 6.0)))
+    update = jax.jit(lambda s, a: s.update(fwd, bwd, a, 8.0, 16.0, 7.0))
+    state = update(state, jnp.float32(4.0))
+    state = update(state, jnp.float32(1.0))
+    np.testing.assert_array_equal(np.asarray(state.history.q), [1.0, 4.0, 0.0])
+    scales = jax.jit(lambda s: s.scales(margin=1))(state)
+    assert float(scales.q) == pytest.approx(448 / 4.0 / 2)  # max of the history, margin 2^1
+    assert float(scales.do) == pytest.approx(57344 / 7.0 / 2)
+    assert float(scales.s) == 448
+    with pytest.raises(ValueError, match="history_len"):
+        fp8.DelayedScaling.init(0)
+
+
+def test_explicit_api_validation():
+    case = fc.Fp8Case(s=16, d=16)
+    q, k, v, d_out, _ = fc.inputs(case)
+    scales = fp8.Fp8Scales.ones()
+    q8 = fp8.quantize(q, 1.0)
+    with pytest.raises(TypeError, match="q must be float8_e4m3fn"):
+        fp8.attention(q, q8, q8, scales)
+    with pytest.raises(TypeError, match="scales must be a fusedattn.fp8.Fp8Scales"):
+        fp8.attention(q8, q8, q8, {"q": 1.0})
+    with pytest.raises(ValueError, match=r"scales.o must be a scalar"):
+        fp8.attention(q8, q8, q8, scales._replace(o=jnp.ones((2,))))
+    with pytest.raises(TypeError, match="out_dtype"):
+        fp8.attention(q8, q8, q8, scales, out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="d_out_format"):
+        fp8.attention(q8, q8, q8, scales, d_out_format="e3m4")
+    with pytest.raises(ValueError, match="precision must be"):
+        fusedattn.fused_attn(q, k, v, precision="fp4")
+    with pytest.raises(TypeError, match="precision='fp8' takes bfloat16 or float16"):
+        fusedattn.fused_attn(q.astype(jnp.float32), k.astype(jnp.float32),
+                             v.astype(jnp.float32), precision="fp8")
+
+
+def test_dispatch_reasons_for_fp8(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
+    dispatch.clear_cache()
+    q = jax.ShapeDtypeStruct((2, 128, 4, 128), jnp.bfloat16)
+    with cudnn.assume_supported(workspace_bytes=4096):
+        plan = fusedattn.explain(q, q, q, precision="fp8", mask="causal")
+        reasons = dict(plan.reasons)
+        assert plan.chosen == "cudnn", str(plan)
+        assert "has no FP8 kernels" in reasons["small_seq"]
+        bias = jax.ShapeDtypeStruct((1, 4, 128, 128), jnp.bfloat16)
+        plan = fusedattn.explain(q, q, q, bias=bias, precision="fp8")
+        assert plan.chosen is None
+        assert "FP8 attention takes no bias" in dict(plan.reasons)["cudnn"]
+        assert "FP8 attention takes no bias" in dict(plan.reasons)["xla"]
+    dispatch.clear_cache()
+
+
+def test_fp8_lowers_for_cuda_without_a_gpu(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
+    dispatch.clear_cache()
+    q = jnp.zeros((2, 128, 4, 128), jnp.bfloat16)
+
+    def step(q, k, v):
+        return jax.grad(lambda q, k, v: fusedattn.fused_attn(
+            q, k, v, mask="causal", precision="fp8").astype(jnp.float32).sum(), (0, 1, 2))(q, k, v)
+    with cudnn.assume_supported(workspace_bytes=4096):
+        text = jax.jit(step).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+        key = cudnn.graph_key(fusedattn.validation.build_call(q, q, q, mask="causal",
+                                                              precision="fp8")[0])
+    dispatch.clear_cache()
+    assert "fusedattn_cudnn_fp8_fwd" in text and "fusedattn_cudnn_fp8_bwd" in text
+    assert "f8E4M3FN" in text and "f8E5M2" in text
+    fields = dict(item.split("=") for item in key.split(";"))
+    assert (fields["fp8"], fields["fp8_do"], fields["fp8_grad"]) == ("1", "1", "1")
