@@ -19,7 +19,7 @@
 namespace fusedattn::cudnn_attn {
 namespace {
 
-ffi::Error bind_scales(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindings& b) {
+ffi::Error bind_scales(Cursor<ffi::RemainingArgs>& args, Bindings& b) {
   auto scales = args.next<ffi::AnyBuffer>();
   if (scales.has_error()) return scales.error();
   return bind_slots(scales->untyped_data(), scales->size_bytes(), kFp8Scales.data(),
@@ -63,7 +63,7 @@ ffi::Error fp8_forward(cudaStream_t stream, int32_t device, std::string_view key
   Cursor<ffi::RemainingArgs> in(args);
   if (auto e = bind_qkv(p, in, b); e.failure()) return e;
   if (auto e = bind_aux_inputs(p, in, b); e.failure()) return e;
-  if (auto e = bind_scales(p, in, b); e.failure()) return e;
+  if (auto e = bind_scales(in, b); e.failure()) return e;
   if (auto e = check_all_used(in.used(), args.size(), "inputs"); e.failure()) return e;
 
   Cursor<ffi::RemainingRets> out(rets);
@@ -95,7 +95,7 @@ ffi::Error fp8_backward(cudaStream_t stream, int32_t device, std::string_view ke
   for (Uid u : {kO, kdO, kStats})
     if (auto e = bind_next(in, b, u); e.failure()) return e;
   if (auto e = bind_aux_inputs(p, in, b); e.failure()) return e;
-  if (auto e = bind_scales(p, in, b); e.failure()) return e;
+  if (auto e = bind_scales(in, b); e.failure()) return e;
   if (auto e = check_all_used(in.used(), args.size(), "inputs"); e.failure()) return e;
 
   Cursor<ffi::RemainingRets> out(rets);

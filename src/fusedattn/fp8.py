@@ -126,19 +126,20 @@ def kernels(backend: str):
 
 
 # ---- level 1: current scaling (precision="fp8") -----------------------------------------
-def forward_scales(q, k, v) -> Tuple[Fp8Scales, InputStats]:
+def forward_scales(q, k, v, training: bool = True) -> Tuple[Fp8Scales, Optional[InputStats]]:
     """Scales for the forward from the tensors themselves.
 
     q, k, v: their amax. s: the kernels quantize probabilities in [0, 1], so 448.
     o: every output row is a convex combination of v's rows, so |o| <= amax(v),
-    times the rounding margin. The backward entries are filled by `backward_scales`.
+    times the rounding margin. The backward entries are filled by `backward_scales`
+    from the `InputStats` returned with them (None unless `training`).
     """
     one = jnp.ones((), jnp.float32)
     amax_q, amax_k, amax_v = amax(q), amax(k), amax(v)
     scales = Fp8Scales(q=scale_for(amax_q), k=scale_for(amax_k), v=scale_for(amax_v),
                        s=jnp.float32(FP8_MAX["e4m3"]), o=scale_for(amax_v * BOUND_MARGIN),
                        do=one, dp=one, dq=one, dk=one, dv=one)
-    return scales, InputStats(amax_q, amax_k, _max_row_norm(v))
+    return scales, (InputStats(amax_q, amax_k, _max_row_norm(v)) if training else None)
 
 
 class InputStats(NamedTuple):
@@ -151,9 +152,11 @@ class InputStats(NamedTuple):
 def backward_scales(config: AttnConfig, fwd: Fp8Scales, stats: InputStats, d_out) -> Fp8Scales:
     """Scales for the backward: d_out from its amax; dP and the gradients from bounds.
 
-    With P <= 1 in every row and sum_j P_ij = 1 (|o_i| <= max_j |v_j|):
-      |dP_ij| = P_ij |d_out_i . v_j - d_out_i . o_i| <= 2 max|d_out_i| max|v_j| (L2 norms)
-      |dq_i|  <= scale * amax(k) * that bound          (sum_j P_ij = 1)
+    With dS the gradient of the scaled logits, P <= 1 in every row and
+    sum_j P_ij = 1 (so |o_i| <= max_j |v_j|):
+      |dS_ij| = P_ij |d_out_i . v_j - d_out_i . o_i| <= 2 max|d_out_i| max|v_j| (L2 norms)
+      dP (what the kernels quantize) = scale * dS, the gradient of q . k
+      |dq_i|  <= scale * amax(k) * that bound           (sum_j P_ij = 1)
       |dk_j|  <= scale * amax(q) * that bound * s_q * g (g query heads per kv head)
       |dv_j|  <= amax(d_out) * s_q * g
     Each bound holds for any data; the formats' range absorbs how loose the last
@@ -162,13 +165,13 @@ def backward_scales(config: AttnConfig, fwd: Fp8Scales, stats: InputStats, d_out
     """
     fd, fg = config.fp8_do, config.fp8_grad
     amax_do = amax(d_out)
-    dp_bound = 2.0 * _max_row_norm(d_out) * stats.max_norm_v * BOUND_MARGIN
+    ds_bound = 2.0 * _max_row_norm(d_out) * stats.max_norm_v * BOUND_MARGIN
     fan_in = float(config.s_q * config.group_size)
     return fwd._replace(
         do=scale_for(amax_do, fd),
-        dp=scale_for(dp_bound, fd),
-        dq=scale_for(config.scale * stats.amax_k * dp_bound, fg),
-        dk=scale_for(config.scale * stats.amax_q * dp_bound * fan_in, fg),
+        dp=scale_for(config.scale * ds_bound, fd),
+        dq=scale_for(config.scale * stats.amax_k * ds_bound, fg),
+        dk=scale_for(config.scale * stats.amax_q * ds_bound * fan_in, fg),
         dv=scale_for(amax_do * fan_in * BOUND_MARGIN, fg))
 
 
@@ -179,15 +182,20 @@ def current_scaling_attention(config: AttnConfig, inputs, backend: str) -> jax.A
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _current(config, backend, q, k, v, sequence):
-    return _current_fwd(config, backend, q, k, v, sequence)[0]
+    # No gradient taken: the inference graph, and none of the backward's statistics.
+    return _current_forward(config, backend, q, k, v, sequence, training=False)[0]
+
+
+def _current_forward(config, backend, q, k, v, sequence, training):
+    scales, stats = forward_scales(q, k, v, training)
+    q8, k8, v8 = quantize(q, scales.q), quantize(k, scales.k), quantize(v, scales.v)
+    o8, lse, _, _ = kernels(backend).fp8_forward(config, q8, k8, v8, sequence, scales, training)
+    out = dequantize(o8, scales.o, q.dtype)
+    return out, (q8, k8, v8, o8, lse, sequence, scales, stats)
 
 
 def _current_fwd(config, backend, q, k, v, sequence):
-    scales, stats = forward_scales(q, k, v)
-    q8, k8, v8 = quantize(q, scales.q), quantize(k, scales.k), quantize(v, scales.v)
-    o8, lse, _, _ = kernels(backend).fp8_forward(config, q8, k8, v8, sequence, scales, True)
-    out = dequantize(o8, scales.o, q.dtype)
-    return out, (q8, k8, v8, o8, lse, sequence, scales, stats)
+    return _current_forward(config, backend, q, k, v, sequence, training=True)
 
 
 def _current_bwd(config, backend, residuals, d_out):
@@ -255,14 +263,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, scales: Fp8Scales,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _explicit(config, backend, q8, k8, v8, sequence, scales, backward_amax):
-    return _explicit_fwd(config, backend, q8, k8, v8, sequence, scales, backward_amax)[0]
+    return _explicit_forward(config, backend, q8, k8, v8, sequence, scales, False)[0]
+
+
+def _explicit_forward(config, backend, q8, k8, v8, sequence, scales, training):
+    o8, lse, amax_s, amax_o = kernels(backend).fp8_forward(
+        config, q8, k8, v8, sequence, scales, training)
+    out = o8 if config.fp8_out else dequantize(o8, scales.o, config.dtype)
+    return (out, ForwardAmax(amax_s, amax_o)), (q8, k8, v8, o8, lse, sequence, scales)
 
 
 def _explicit_fwd(config, backend, q8, k8, v8, sequence, scales, backward_amax):
-    o8, lse, amax_s, amax_o = kernels(backend).fp8_forward(
-        config, q8, k8, v8, sequence, scales, True)
-    out = o8 if config.fp8_out else dequantize(o8, scales.o, config.dtype)
-    return (out, ForwardAmax(amax_s, amax_o)), (q8, k8, v8, o8, lse, sequence, scales)
+    return _explicit_forward(config, backend, q8, k8, v8, sequence, scales, True)
 
 
 def _explicit_bwd(config, backend, residuals, cotangents):

@@ -53,8 +53,8 @@ def fp8_forward(config: AttnConfig, q8, k8, v8, sequence, scales: fp8.Fp8Scales,
 
 def fp8_backward(config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence,
                  scales: fp8.Fp8Scales):
-    """(dq8, dk8, dv8 in config.fp8_grad, (amax dq, dk, dv, dP)); dP is the gradient of
-    the scaled logits, P * (d_out . v - d_out . o)."""
+    """(dq8, dk8, dv8 in config.fp8_grad, (amax dq, dk, dv, dP)). dP is what cuDNN
+    quantizes: the gradient of q . k, scale * P * (d_out . v - d_out . o)."""
     f32 = _fp32(config)
     q, k, v, o = (fp8.dequantize(x, s, jnp.float32) for x, s in
                   ((q8, scales.q), (k8, scales.k), (v8, scales.v), (o8, scales.o)))
@@ -64,7 +64,7 @@ def fp8_backward(config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence,
     v_q = jnp.repeat(to_bshd(f32, v), f32.group_size, axis=2)
     dp = jnp.einsum("bqhd,bkhd->bhqk", to_bshd(f32, d_out), v_q)
     delta = jnp.einsum("bqhd,bqhd->bhq", to_bshd(f32, d_out), to_bshd(f32, o))
-    amax_dp = jnp.max(jnp.abs(p * (dp - delta[..., None])))
+    amax_dp = config.scale * jnp.max(jnp.abs(p * (dp - delta[..., None])))
     fmt = config.fp8_grad
     return (fp8.quantize(grads.q, scales.dq, fmt), fp8.quantize(grads.k, scales.dk, fmt),
             fp8.quantize(grads.v, scales.dv, fmt),
