@@ -4,6 +4,8 @@ the cuDNN FP8 calls for CUDA without a GPU. The same cases run on cuDNN in
 tests/gpu/test_fp8_gpu.py."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,74 @@ def test_fp8_lowers_for_cuda_without_a_gpu(monkeypatch):
     assert "f8E4M3FN" in text and "f8E5M2" in text
     fields = dict(item.split("=") for item in key.split(";"))
     assert (fields["fp8"], fields["fp8_do"], fields["fp8_grad"]) == ("1", "1", "1")
+
+
+# ---- partitioning (8 host devices, tests/conftest.py) ------------------------------------
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def test_fp8_calls_split_over_batch_and_heads_with_scalar_all_reduces_only():
+    """precision='fp8' under jit with dp x tp NamedSharding inputs: no gather; the only
+    all-reduces are of scalars (the amaxes behind the global scales, and the loss);
+    numbers equal the unsplit call."""
+    import sharding_cases as sc
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    case = fc.Fp8Case(b=4, s=32, h_q=8, h_kv=4, d=16, mask="causal", dtype="bfloat16")
+    q, k, v, d_out, _ = fc.inputs(case)
+
+    def f(q, k, v):
+        return fusedattn.fused_attn(q, k, v, mask="causal", precision="fp8", backend="xla")
+    shard = NamedSharding(mesh, P("dp", None, "tp"))
+    single, sharded, counts, text = sc.run(f, [q, k, v], [shard] * 3, d_out)
+    assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == 0, \
+        counts
+    assert counts["all-reduce"] >= 1
+    for shape in sc.all_reduce_shapes(text):  # e.g. "f32[]" or "(f32[], f32[])"
+        assert all(dims == "" for dims in re.findall(r"\w+\[([^\]]*)\]", shape)), shape
+    sc.assert_same(single, sharded, 1e-2)
+
+
+def test_explicit_fp8_amaxes_under_a_split_equal_the_unsplit_ones():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = _mesh((4,), ("dp",))
+    case = fc.Fp8Case(b=4, s=32, d=16, mask="causal")
+    q, k, v, d_out, _ = fc.inputs(case)
+    scales, _ = fp8.forward_scales(q, k, v)
+    q8, k8, v8 = (fp8.quantize(x, s) for x, s in ((q, scales.q), (k, scales.k), (v, scales.v)))
+
+    def step(q8, k8, v8):
+        def f(q8, k8, v8, bwd):
+            return fp8.attention(q8, k8, v8, scales, bwd, out_dtype=jnp.bfloat16, mask="causal",
+                                 backend="xla")
+        (out, fwd_amax), vjp = jax.vjp(f, q8, k8, v8, fp8.BackwardAmax.zeros())
+        zero = jnp.float32(0)
+        return out, fwd_amax, vjp((d_out, fp8.ForwardAmax(zero, zero)))[3]
+    want = jax.jit(step)(q8, k8, v8)
+    shard = NamedSharding(mesh, P("dp"))
+    got = jax.jit(step)(*(jax.device_put(x, shard) for x in (q8, k8, v8)))
+    for a, b in zip(jax.tree_util.tree_leaves(want[1:]), jax.tree_util.tree_leaves(got[1:])):
+        assert float(a) == pytest.approx(float(b), rel=1e-5)
+    assert fc.rel(got[0], want[0]) < 1e-2
+
+
+def test_fp8_calls_lowered_for_cuda_carry_the_rule(monkeypatch):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
+    dispatch.clear_cache()
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    q = jax.ShapeDtypeStruct((8, 128, 8, 128), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P("dp", None, "tp")))
+
+    def loss(q, k, v):
+        return fusedattn.fused_attn(q, k, v, precision="fp8").astype(jnp.float32).sum()
+    with cudnn.assume_supported(workspace_bytes=1 << 20):
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
+            lowering_platforms=("cuda",)).as_text()
+    dispatch.clear_cache()
+    assert text.count("CustomSPMDPartitioning") == 2  # FP8 training forward and backward
+    assert text.count("sdy.sharding_rule") >= 2

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from typing import NamedTuple, Optional, Tuple
 
 import jax
@@ -120,9 +119,16 @@ def config_reason(config: AttnConfig) -> Optional[str]:
     return None
 
 
-def kernels(backend: str):
-    """The FP8 kernel module of a backend (fp8_forward, fp8_backward)."""
-    return importlib.import_module(f"fusedattn.backends.{backend}_fp8")
+def _forward(backend: str, config: AttnConfig, q8, k8, v8, sequence, scales, training: bool):
+    """The FP8 forward of `backend` (its module `<backend>_fp8`), partitioned over batch /
+    head splits by the rule every native call has (backends/native_call.py)."""
+    from .backends import native_call  # noqa: PLC0415 - backends import this module
+    return native_call.fp8_forward(backend, config, q8, k8, v8, sequence, scales, training)
+
+
+def _backward(backend: str, config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence, scales):
+    from .backends import native_call  # noqa: PLC0415
+    return native_call.fp8_backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
 
 
 # ---- level 1: current scaling (precision="fp8") -----------------------------------------
@@ -189,7 +195,7 @@ def _current(config, backend, q, k, v, sequence):
 def _current_forward(config, backend, q, k, v, sequence, training):
     scales, stats = forward_scales(q, k, v, training)
     q8, k8, v8 = quantize(q, scales.q), quantize(k, scales.k), quantize(v, scales.v)
-    o8, lse, _, _ = kernels(backend).fp8_forward(config, q8, k8, v8, sequence, scales, training)
+    o8, lse, _, _ = _forward(backend, config, q8, k8, v8, sequence, scales, training)
     out = dequantize(o8, scales.o, q.dtype)
     return out, (q8, k8, v8, o8, lse, sequence, scales, stats)
 
@@ -202,8 +208,7 @@ def _current_bwd(config, backend, residuals, d_out):
     q8, k8, v8, o8, lse, sequence, fwd, stats = residuals
     scales = backward_scales(config, fwd, stats, d_out)
     do8 = quantize(d_out, scales.do, config.fp8_do)
-    dq8, dk8, dv8, _ = kernels(backend).fp8_backward(
-        config, q8, k8, v8, o8, do8, lse, sequence, scales)
+    dq8, dk8, dv8, _ = _backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
     dtype = config.dtype
     return (dequantize(dq8, scales.dq, dtype), dequantize(dk8, scales.dk, dtype),
             dequantize(dv8, scales.dv, dtype), None)
@@ -267,8 +272,7 @@ def _explicit(config, backend, q8, k8, v8, sequence, scales, backward_amax):
 
 
 def _explicit_forward(config, backend, q8, k8, v8, sequence, scales, training):
-    o8, lse, amax_s, amax_o = kernels(backend).fp8_forward(
-        config, q8, k8, v8, sequence, scales, training)
+    o8, lse, amax_s, amax_o = _forward(backend, config, q8, k8, v8, sequence, scales, training)
     out = o8 if config.fp8_out else dequantize(o8, scales.o, config.dtype)
     return (out, ForwardAmax(amax_s, amax_o)), (q8, k8, v8, o8, lse, sequence, scales)
 
@@ -281,8 +285,7 @@ def _explicit_bwd(config, backend, residuals, cotangents):
     q8, k8, v8, o8, lse, sequence, scales = residuals
     d_out = cotangents[0]
     do8 = d_out if config.fp8_out else quantize(d_out, scales.do, config.fp8_do)
-    dq8, dk8, dv8, bwd_amax = kernels(backend).fp8_backward(
-        config, q8, k8, v8, o8, do8, lse, sequence, scales)
+    dq8, dk8, dv8, bwd_amax = _backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
     zeros = Fp8Scales(*(jnp.zeros_like(x) for x in scales))
     return dq8, dk8, dv8, None, zeros, BackwardAmax(*bwd_amax)
 

@@ -1,5 +1,5 @@
 """Native backends on a mesh of GPUs (needs 2 or more): batch and head splits of the
-cudnn and small_seq calls give the single-device numbers with no all-gather in the
+cudnn (BF16 and FP8) and small_seq calls give the single-device numbers with no all-gather in the
 compiled step; context parallelism (ring and all-gather) on cuDNN's kernels gives
 the single-device numbers; dropout under a split draws the documented per-shard
 stream.
@@ -145,6 +145,23 @@ def test_cudnn_dropout_split_draws_the_folded_stream(n_gpus):
     unsplit = np.asarray(jax.jit(lambda q, k, v: fusedattn.fused_attn(
         q, k, v, dropout=0.2, rng=key, backend="cudnn"))(q, k, v), np.float32)
     assert not np.array_equal(sharded, unsplit)  # the documented difference is real
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_cudnn_fp8_split_matches_one_gpu_without_gathers(n_gpus, split):
+    """precision='fp8' on cuDNN: the FP8 calls split like the BF16 ones; the only
+    all-reduces are scalars (amaxes for the global scales, the loss). Tolerance
+    5e-2: a different plan for the smaller shape can move FP8 roundings."""
+    b, s, h, d = 2 * n_gpus, 512, 4 * n_gpus, 128
+    q, k, v, d_out = _qkv(b, s, h, h, d)
+    mesh, spec = SPLITS[split](n_gpus)
+
+    def f(q, k, v):
+        return fusedattn.fused_attn(q, k, v, mask="causal", precision="fp8", backend="cudnn")
+    single, sharded, counts, text = sc.run(f, [q, k, v], [NamedSharding(mesh, spec)] * 3, d_out)
+    assert counts["all-gather"] == counts["all-to-all"] == 0, counts
+    assert all("[]" in shape for shape in sc.all_reduce_shapes(text)), sc.all_reduce_shapes(text)
+    sc.assert_same(single, sharded, 5e-2)
 
 
 # ---- context parallelism ---------------------------------------------------------------------

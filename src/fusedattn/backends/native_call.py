@@ -18,6 +18,12 @@ is raw uint32 bits (`rng_bits`). This module wraps them once:
   the backend on its own shard (a config of the local shapes);
 * sequential `vmap` (one call per mapped element), as the FFI calls had.
 
+FP8 kernels (a backend's ``<name>_fp8`` module: ``fp8_forward`` /
+``fp8_backward``, see `fusedattn.fp8`) go through the same rule as steps of
+their own (`fp8_forward`, `fp8_backward` below): scales are replicated scalars,
+and each amax a kernel returns is the max over the devices' shards (one scalar
+all-reduce), so it equals the unsplit call's.
+
 Under `shard_map` (every mesh axis manual) custom_partitioning inlines the
 call: it runs per device as written.
 """
@@ -39,6 +45,8 @@ from ..config import AttnConfig
 from .base import AttnInputs
 
 RNG_WORDS = 4  # uint32 words of dropout randomness handed to the kernels
+# FP8 scalars: scales in (replicated), amaxes out (the max over shards, see _partition).
+SCALAR_DIMS = P.Dims(())
 
 
 def rng_bits(config: AttnConfig, rng) -> Optional[jax.Array]:
@@ -52,7 +60,7 @@ def rng_bits(config: AttnConfig, rng) -> Optional[jax.Array]:
 class _Op:
     """One native step (static: custom_partitioning's and custom_vjp's hashable argument)."""
     backend: str               # module under fusedattn.backends
-    step: str                  # "inference", "training" or "backward"
+    step: str                  # "inference", "training" or "backward"; "fp8_" + one of them
     config: AttnConfig         # the global (unsplit) config
     in_tree: Any               # treedef of the operands
     in_dims: Tuple[P.Dims, ...]
@@ -60,14 +68,25 @@ class _Op:
     out_dims: Tuple[P.Dims, ...]
 
     @property
+    def fp8(self) -> bool:
+        return self.step.startswith("fp8_")
+
+    @property
     def kernels(self):
-        return importlib.import_module(f"fusedattn.backends.{self.backend}")
+        suffix = "_fp8" if self.fp8 else ""
+        return importlib.import_module(f"fusedattn.backends.{self.backend}{suffix}")
 
 
 # ---- the per-device body ------------------------------------------------------------
 def _run(op: _Op, config: AttnConfig, flat):
     operands = jax.tree_util.tree_unflatten(op.in_tree, flat)
-    if op.step == "backward":
+    if op.step == "fp8_backward":
+        result = op.kernels.fp8_backward(config, *operands)
+    elif op.fp8:
+        training = op.step == "fp8_training"
+        o8, lse, amax_s, amax_o = op.kernels.fp8_forward(config, *operands, training)
+        result = (o8, lse, amax_s, amax_o) if training else (o8, amax_s, amax_o)
+    elif op.step == "backward":
         inputs, out, lse, d_out = operands
         result = op.kernels.backward(config, inputs, out, lse, d_out)
     else:
@@ -114,6 +133,10 @@ def _partition(op, mesh, arg_shapes, result_shape):
         if op.config.has_dropout and not split.trivial:
             flat = _fold_shard_into_rng(op, flat, split, shape)
         outs = list(_run(op, local, flat))
+        if op.fp8 and not split.trivial:  # amaxes: the max over every device's shard
+            for i, dims in enumerate(op.out_dims):
+                if dims == SCALAR_DIMS:
+                    outs[i] = jax.lax.pmax(outs[i], split.batch + split.heads)
         if op.step == "backward":
             for i, dims in enumerate(op.out_dims):
                 axes = sum((split.axes(r) for r in P.summed_roles(dims)), ())
@@ -181,6 +204,14 @@ def _call(backend: str, step: str, config: AttnConfig, operands, dims):
 
 
 def _out_dims(step: str, config: AttnConfig, operands, dims):
+    if step == "fp8_backward":
+        return ((dims[0], dims[1], dims[2]) + (SCALAR_DIMS,) * 4,
+                jax.tree_util.tree_structure((0, 0, 0, (0, 0, 0, 0))))
+    if step == "fp8_training":
+        return ((P.output_dims(config), P.LSE_DIMS, SCALAR_DIMS, SCALAR_DIMS),
+                jax.tree_util.tree_structure((0,) * 4))
+    if step == "fp8_inference":
+        return (P.output_dims(config), SCALAR_DIMS, SCALAR_DIMS), jax.tree_util.tree_structure((0,) * 3)
     if step == "backward":
         inputs, input_dims = operands[0], dims[0]
         grads = _grad_slots(config, inputs)
@@ -275,3 +306,28 @@ def _attend_with_lse_bwd(backend, config, residuals, cotangents):
 
 
 _attend_with_lse.defvjp(_attend_with_lse_fwd, _attend_with_lse_bwd)
+
+
+# ---- FP8 kernels (fusedattn.fp8 differentiates them) ------------------------------------
+def _fp8_dims(config: AttnConfig, q8, k8, v8, sequence, scales):
+    qkv = P.input_dims(config, AttnInputs(q8, k8, v8, sequence=sequence))
+    return qkv, jax.tree_util.tree_map(lambda _: SCALAR_DIMS, scales)
+
+
+def fp8_forward(backend: str, config: AttnConfig, q8, k8, v8, sequence, scales, training: bool):
+    """`backend`'s FP8 forward, partitioned: (o8, lse or None, amax of S, amax of o)."""
+    qkv, scale_dims = _fp8_dims(config, q8, k8, v8, sequence, scales)
+    step = "fp8_training" if training else "fp8_inference"
+    outs = _call(backend, step, config, (q8, k8, v8, sequence, scales),
+                 (qkv.q, qkv.k, qkv.v, qkv.sequence, scale_dims))
+    return (outs[0], outs[1] if training else None) + tuple(outs[-2:])
+
+
+def fp8_backward(backend: str, config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence, scales):
+    """`backend`'s FP8 backward, partitioned: (dq8, dk8, dv8, (amax dq, dk, dv, dP))."""
+    qkv, scale_dims = _fp8_dims(config, q8, k8, v8, sequence, scales)
+    out = P.output_dims(config)
+    dq8, dk8, dv8, amaxes = _call(
+        backend, "fp8_backward", config, (q8, k8, v8, o8, do8, lse, sequence, scales),
+        (qkv.q, qkv.k, qkv.v, out, out, P.LSE_DIMS, qkv.sequence, scale_dims))
+    return dq8, dk8, dv8, amaxes
