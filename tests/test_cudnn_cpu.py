@@ -69,7 +69,7 @@ def test_causal_mask_without_window_sets_only_the_right_bound():
 
 @pytest.mark.parametrize("change, fragment", [
     (dict(dtype="float32"), "dtype float32"),
-    (dict(score_mod=lambda s, b, h, i, j: s), "score_mod"),
+    (dict(score_mod=lambda s, b, h, i, j: s.sum(axis=-1, keepdims=True) + s), "reduce_sum"),
     (dict(sequence="ragged"), "small_seq"),
     (dict(sequence="packed", max_segments=2, layout="sbhd"), "bshd layout"),
     (dict(sequence="packed", max_segments=2, bias_shape=(1, 4, 128, 128)), "bias with packed"),
@@ -105,7 +105,8 @@ SOFTCAP = score_mods.softcap(20.0)
     (dict(score_mod=SOFTCAP, sequence="padding"), "softcap with padding sequences"),
     (dict(score_mod=SOFTCAP, sequence="packed", max_segments=2), "softcap with packed sequences"),
     (dict(score_mod=SOFTCAP, bias_shape=(1, 4, 128, 128)), "before the bias"),
-    (dict(score_mod=lambda s, b, h, i, j: 20.0 * jnp.tanh(s / 20.0)), "not lowered"),
+    (dict(score_mod=lambda s, b, h, i, j: s + jnp.cumsum(s, axis=-1)), "cannot be lowered"),
+    (dict(score_mod=lambda s, b, h, i, j: s + i, bias_shape=(1, 4, 128, 128)), "before the bias"),
 ])
 def test_score_mod_reasons(change, fragment):
     reason = cudnn.config_reason(dataclasses.replace(BASE, **change))

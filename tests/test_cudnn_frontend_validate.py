@@ -149,3 +149,34 @@ def test_frontend_fp8_graphs_on_hopper(name):
             assert refused[graph] in message, (graph, message)
         else:
             assert message == "", (graph, message)
+
+
+# ---- lowered score_mods (csrc/cuda/cudnn_flex.cc) ------------------------------------------
+def _flex_config(name, **change):
+    import jax
+    import jax.numpy as jnp
+
+    import flex_cases
+    from fusedattn.validation import build_call
+    mod, mask_mod, args, _ = flex_cases.MODS[name]
+    h_kv = change.pop("h_kv", 4)
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 128, h_kv, 64), jnp.bfloat16)
+    return build_call(q, kv, kv, score_mod=mod, mask_mod=mask_mod,
+                      score_mod_args=args(4, 2, 128), **change)[0]
+
+
+@pytest.mark.parametrize("variant", ["plain", "causal-gqa", "padding"])
+@pytest.mark.parametrize("name", ["relative_position", "softcap_scaled", "alibi_lambda",
+                                  "sigmoid_gate", "log_distance", "prefix_lm", "strided"])
+def test_frontend_accepts_lowered_score_mods(name, variant):
+    import jax.numpy as jnp
+
+    from fusedattn import SequenceDescriptor
+    change = {"plain": {}, "causal-gqa": dict(mask="causal", h_kv=2),
+              "padding": dict(sequence=SequenceDescriptor.from_lengths(
+                  jnp.array([128, 50]), jnp.array([70, 128])))}[variant]
+    cfg = _flex_config(name, **change)
+    assert cudnn.config_reason(cfg) is None
+    messages = EXT.cudnn_validate_graphs(cudnn.graph_key(cfg), 90)
+    assert all(m == "" for m in messages.values()), messages

@@ -47,6 +47,7 @@ ffi::Error bind_aux_inputs(const AttnParams& p, Cursor<ffi::RemainingArgs>& args
   if (p.packed()) uids.insert(uids.end(), {kRaggedQ, kRaggedK, kRaggedV, kRaggedO, kRaggedStats});
   if (p.has_dropout()) uids.insert(uids.end(), {kSeed, kOffset});
   if (p.has_sink()) uids.push_back(kSink);
+  for (size_t i = 0; i < p.flex_input_count(); ++i) uids.push_back(static_cast<Uid>(kFlexInput + i));
   for (Uid u : uids)
     if (auto e = bind_next(args, b, u); e.failure()) return e;
   return ffi::Error::Success();

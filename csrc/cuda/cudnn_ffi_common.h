@@ -53,7 +53,8 @@ ffi::Error parse_key(std::string_view key, AttnParams& p);
 // The next argument, bound to `uid`.
 ffi::Error bind_next(Cursor<ffi::RemainingArgs>& args, Bindings& b, Uid uid);
 // Auxiliary inputs after the main tensors: bias, sequence lengths, ragged
-// offsets, dropout seed / offset, sink, as the key says.
+// offsets, dropout seed / offset, sink, a lowered score_mod's static inputs, as
+// the key says.
 ffi::Error bind_aux_inputs(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindings& b);
 // q, k, v from one, two or three buffers, at the offsets the packing implies.
 ffi::Error bind_qkv(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindings& b);

@@ -1,5 +1,6 @@
 // Construction of the cuDNN attention graphs (see cudnn_graph.h).
 #include "cudnn_graph.h"
+#include "cudnn_flex.h"
 #include "cudnn_graph_parts.h"
 
 #include <cstdlib>
@@ -156,6 +157,7 @@ std::shared_ptr<fe::graph::Graph> make_graph(const AttnParams& p, GraphKind kind
     set_common_options(attrs, p, t);
     set_alibi(attrs, p);
     if (p.has_softcap()) attrs.set_score_mod(SoftcapMod(*g, p.softcap).forward());
+    if (p.has_flex()) attrs.set_score_mod(FlexMod(*g, p).forward());
     auto [o, stats] = g->sdpa(t.q, t.k, t.v, attrs);
     set_output(o, "O", kO, o_geometry(p), io);
     if (p.packed()) o->set_ragged_offset(add_index_tensor(*g, "ragged_o", kRaggedO, p.batch() + 1));
@@ -176,6 +178,10 @@ std::shared_ptr<fe::graph::Graph> make_graph(const AttnParams& p, GraphKind kind
   if (p.has_softcap()) {
     SoftcapMod softcap(*g, p.softcap);
     attrs.set_score_mod(softcap.forward()).set_score_mod_bprop(softcap.backward());
+  }
+  if (p.has_flex()) {
+    FlexMod flex(*g, p);
+    attrs.set_score_mod(flex.forward()).set_score_mod_bprop(flex.backward());
   }
   TensorPtr d_bias, d_sink;
   if (p.has_bias()) {

@@ -54,6 +54,8 @@ enum Uid : int64_t {
   kDescaleQ, kDescaleK, kDescaleV, kDescaleS, kScaleS, kScaleO, kDescaleO, kDescaleDO,
   kDescaleDP, kScaleDQ, kScaleDK, kScaleDV, kScaleDP,
   kAmaxS, kAmaxO, kAmaxDQ, kAmaxDK, kAmaxDV, kAmaxDP,
+  // Static inputs of a lowered score_mod: kFlexInput + i.
+  kFlexInput = 200,
 };
 
 // FP8 scalars travel in one fp32 buffer of [n, kFp8SlotFloats]: scalar i at row i,

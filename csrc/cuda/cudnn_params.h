@@ -43,6 +43,9 @@ struct AttnParams {
   float softcap = 0.f;   // > 0: cap * tanh(s / cap) (score_mod + its backward)
   // FP8 (cudnn_fp8_graph.cc): q, k, v, o in E4M3 with per-tensor scales; dO and
   // the gradients dq, dk, dv each E4M3 or E5M2.
+  // A lowered score_mod (cudnn_flex.h): forward and bprop programs and the shapes
+  // of their static inputs; all empty without one.
+  std::string flex, flex_bprop, flex_inputs;
   bool fp8 = false;
   Fp8Type fp8_do = Fp8Type::kE4M3;
   Fp8Type fp8_grad = Fp8Type::kE4M3;
@@ -53,6 +56,14 @@ struct AttnParams {
   bool learnable_sink() const { return softmax == Softmax::kLearnable; }
   bool has_seq_lens() const { return sequence != Sequence::kDense; }
   bool has_softcap() const { return softcap > 0.f; }
+  bool has_flex() const { return !flex.empty(); }
+  // Static inputs of a lowered score_mod (comma-separated shapes).
+  size_t flex_input_count() const {
+    if (flex_inputs.empty()) return 0;
+    size_t n = 1;
+    for (char c : flex_inputs) n += c == ',';
+    return n;
+  }
   bool packed() const { return sequence == Sequence::kPacked; }
   // Bytes per element of q, k, v, o as the handlers receive them.
   size_t element_bytes() const { return fp8 ? 1 : 2; }
@@ -100,6 +111,9 @@ inline AttnParams parse_params(std::string_view key) {
   p.deterministic = i64("det") != 0;
   p.alibi = i64("alibi") != 0;
   p.softcap = f32("softcap");
+  p.flex = take("flex");
+  p.flex_bprop = take("flexb");
+  p.flex_inputs = take("flexin");
   p.fp8 = i64("fp8") != 0;
   p.fp8_do = static_cast<Fp8Type>(i64("fp8_do"));
   p.fp8_grad = static_cast<Fp8Type>(i64("fp8_grad"));

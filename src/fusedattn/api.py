@@ -26,6 +26,7 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
                rng: Optional[jax.Array] = None,
                score_mod: Optional[Callable] = None,
                score_mod_args: Sequence[jax.Array] = (),
+               mask_mod: Optional[Callable] = None,
                deterministic: bool = False,
                layout: str = "bshd",
                precision: Optional[str] = None,
@@ -50,7 +51,11 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
         ``"learnable"`` (per-head sink logits ``softmax_offset [h_q]``, differentiable).
       dropout, rng: dropout rate on the probabilities and its PRNG key.
       score_mod, score_mod_args: ``f(score, batch, head, q_idx, kv_idx, *args)``
-        applied to the scaled (and biased) logits.
+        applied to the scaled (and biased) logits. On cuDNN any such JAX function is
+        lowered to the graph's pointwise operations (`fusedattn.flex_lowering`;
+        ``explain`` says why when it cannot be).
+      mask_mod: ``f(batch, head, q_idx, kv_idx, *score_mod_args) -> bool``: pairs it
+        rejects are masked (on top of ``mask``, ``window`` and the sequence).
       deterministic: ask for a bitwise-reproducible backward pass.
       precision: None, or ``"fp8"``: q, k, v (bf16 / fp16) are quantized to FP8 E4M3
         with per-tensor current scaling inside the jit, the FP8 kernels run, and the
@@ -68,8 +73,8 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
     config, inputs = build_call(
         q, k, v, bias=bias, sequence=sequence, mask=mask, window=window, scale=scale,
         softmax=softmax, softmax_offset=softmax_offset, dropout=dropout, rng=rng,
-        score_mod=score_mod, score_mod_args=score_mod_args, deterministic=deterministic,
-        layout=layout, precision=precision)
+        score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
+        deterministic=deterministic, layout=layout, precision=precision)
     cp = _check_context_parallel(context_parallel)
     plan = dispatch.plan(config, backend, context_parallel=cp)
     if cp is not None:

@@ -19,7 +19,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Alibi", "SoftCap", "alibi", "alibi_slopes", "softcap"]
+__all__ = ["Alibi", "Masked", "SoftCap", "alibi", "alibi_slopes", "softcap"]
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -101,3 +101,25 @@ def alibi(num_heads: int) -> Alibi:
 def softcap(cap: float) -> SoftCap:
     """The soft-capping score_mod ``cap * tanh(score / cap)`` (see `SoftCap`)."""
     return SoftCap(cap)
+
+
+@dataclasses.dataclass(frozen=True)
+class Masked:
+    """A score_mod with a mask_mod (PyTorch FlexAttention's other half): the pairs
+    ``mask_mod(batch, head, q_idx, kv_idx, *args)`` rejects get -inf after
+    ``score_mod`` (or the plain score). `fused_attn(..., mask_mod=)` builds it, so
+    every backend sees one score_mod; compared by the two functions."""
+    score_mod: object
+    mask_mod: object
+
+    @property
+    def __name__(self) -> str:
+        inner = getattr(self.score_mod, "__name__", "score_mod") if self.score_mod else None
+        mask = getattr(self.mask_mod, "__name__", "mask_mod")
+        return f"{inner}+mask_mod={mask}" if inner else f"mask_mod={mask}"
+
+    def __call__(self, score, batch, head, q_idx, kv_idx, *args):
+        s = score if self.score_mod is None else self.score_mod(score, batch, head, q_idx,
+                                                                kv_idx, *args)
+        keep = self.mask_mod(batch, head, q_idx, kv_idx, *args)
+        return jnp.where(keep, s, -jnp.inf)

@@ -17,6 +17,7 @@ import numpy as np
 
 from .backends.base import AttnInputs
 from .config import DTYPES, MASKS, PRECISIONS, SOFTMAX_TYPES, AttnConfig
+from .score_mods import Masked
 from .sequence import SequenceDescriptor
 
 # layout argument -> (tensor layout, qkv packing)
@@ -198,6 +199,22 @@ def _check_score_mod(score_mod, args, batch: int, h_q: int) -> None:
                          f"array shaped like score")
 
 
+def _check_mask_mod(mask_mod, args, batch: int, h_q: int) -> None:
+    """Traced on abstract indices shaped as the backends call it: a failure or a result
+    that is not boolean is named here."""
+    i32 = jnp.int32
+    indices = [jax.ShapeDtypeStruct(shape, i32) for shape in
+               ((batch, 1, 1, 1), (1, h_q, 1, 1), (batch, 1, 2, 1), (batch, 1, 1, 3))]
+    try:
+        out = jax.eval_shape(mask_mod, *indices, *args)
+    except Exception as e:
+        raise ValueError(f"mask_mod(batch, head, q_idx, kv_idx, *score_mod_args) failed: "
+                         f"{type(e).__name__}: {e}") from e
+    if getattr(out, "dtype", None) != jnp.bool_:
+        raise ValueError(f"mask_mod must return booleans (True: the pair is kept), got "
+                         f"{getattr(out, 'dtype', type(out).__name__)}")
+
+
 def _check_precision(precision, dtype: str) -> str:
     if precision is None:
         return "default"
@@ -211,8 +228,8 @@ def _check_precision(precision, dtype: str) -> str:
 
 def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, scale=None,
                softmax="vanilla", softmax_offset=None, dropout=0.0, rng=None, score_mod=None,
-               score_mod_args=(), deterministic=False, layout="bshd", precision=None,
-               api="fused_attn") -> Tuple[AttnConfig, AttnInputs]:
+               score_mod_args=(), mask_mod=None, deterministic=False, layout="bshd",
+               precision=None, api="fused_attn") -> Tuple[AttnConfig, AttnInputs]:
     """Validate `fused_attn` arguments and build the config and the inputs."""
     if layout not in LAYOUT_ARGS:
         raise ValueError(f"layout must be one of {tuple(LAYOUT_ARGS)}, got {layout!r}")
@@ -297,8 +314,14 @@ def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, s
                         f"-> score, got {type(score_mod).__name__}")
     if not isinstance(score_mod_args, (tuple, list)):
         raise TypeError("score_mod_args must be a tuple of arrays")
+    if mask_mod is not None:
+        if not callable(mask_mod):
+            raise TypeError(f"mask_mod must be a function (batch, head, q_idx, kv_idx, *args) -> "
+                            f"bool, got {type(mask_mod).__name__}")
+        _check_mask_mod(mask_mod, tuple(score_mod_args), batch, h_q)
+        score_mod = Masked(score_mod, mask_mod)
     if score_mod_args and score_mod is None:
-        raise ValueError("score_mod_args given without score_mod")
+        raise ValueError("score_mod_args given without score_mod or mask_mod")
     arg_specs = tuple((tuple(_shape(a, f"score_mod_args[{i}]")), jnp.dtype(a.dtype).name)
                       for i, a in enumerate(score_mod_args))
     if score_mod is not None:

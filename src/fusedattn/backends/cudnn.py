@@ -16,7 +16,9 @@ graphs of its own shard's config.
 score_mods: the built-in ones of `fusedattn.score_mods` are lowered to cuDNN's
 own operations (`alibi` to the frontend's ALiBi mask, `softcap` to its
 soft-capping score_mod); `score_mod_reason` says which combinations cuDNN
-cannot run. Any other score_mod falls back to the XLA backend.
+cannot run. Any other JAX score_mod / mask_mod is lowered to pointwise graph
+operations by `cudnn_flex` (with the config's masks composed in), or refused with
+the reason.
 
 Graphs with ALiBi copy their slopes from host memory into the workspace on
 every execute; they run through FFI targets that do not declare XLA's
@@ -37,7 +39,7 @@ import numpy as np
 from .. import fp8
 from ..config import AttnConfig
 from ..score_mods import Alibi, SoftCap
-from . import native, native_call
+from . import cudnn_flex, native, native_call
 from .base import AttnInputs
 
 TARGET_FWD = "fusedattn_cudnn_fwd"
@@ -95,7 +97,11 @@ def graph_key(config: AttnConfig) -> str:
         ("fp8", int(config.is_fp8)),
         ("fp8_do", int(config.is_fp8 and config.fp8_do == "e5m2")),
         ("fp8_grad", int(config.is_fp8 and config.fp8_grad == "e5m2")),
+        ("flex", ""), ("flexb", ""), ("flexin", ""),
     )
+    if cudnn_flex.is_flex(config):  # the programs hold the masks: none for cuDNN
+        overrides = cudnn_flex.key_fields(config)
+        fields = tuple((name, overrides.get(name, value)) for name, value in fields)
     return ";".join(f"{name}={value}" for name, value in fields)
 
 
@@ -162,8 +168,7 @@ def score_mod_reason(config: AttnConfig) -> Optional[str]:
             return ("softcap with bias: cuDNN applies a score_mod before the bias, fusedattn's "
                     "contract applies it after (to scale * q.k + bias)")
         return None
-    return ("score_mod is not lowered to cuDNN graph operations (only fusedattn.score_mods' "
-            "alibi and softcap are; the XLA backend runs any score_mod)")
+    return cudnn_flex.reason(config)
 
 
 def version_reason(config: AttnConfig, cudnn_version: Optional[int]) -> Optional[str]:
@@ -315,7 +320,7 @@ def _operands(config: AttnConfig, inputs: AttnInputs):
 def forward(config: AttnConfig, inputs: AttnInputs, training: bool):
     """(out, fp32 lse [b, h_q, s_q] when training); ``inputs.rng`` is raw bits."""
     out, stats = _forward_call(static_call(config), _operands(config, inputs),
-                               aux_arrays(config, inputs), training)
+                               aux_arrays(config, inputs), training, _flex_inputs(config, inputs))
     return out, (None if stats is None else lse_from_stats(config, stats))
 
 
@@ -323,7 +328,8 @@ def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInp
     """Gradients of q, k, v (as packed as the inputs), bias and softmax_offset."""
     stats = jnp.swapaxes(lse, 1, 2) if config.is_packed else lse
     d_q, d_k, d_v, d_bias, d_sink = _backward_call(
-        static_call(config), _operands(config, inputs), aux_arrays(config, inputs), out, stats, d_out)
+        static_call(config), _operands(config, inputs), aux_arrays(config, inputs), out, stats, d_out,
+        _flex_inputs(config, inputs))
     if d_bias is not None:
         d_bias = d_bias.astype(inputs.bias.dtype)
     d_offset = None
@@ -339,14 +345,28 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
     why = BACKEND.supports(config)
     if why is not None:
         raise ValueError(f"cudnn backend cannot run {config.short()}: {why}")
-    return native_call.attention("cudnn", config, inputs, need_lse=need_lse)
+    if not cudnn_flex.is_flex(config):
+        return native_call.attention("cudnn", config, inputs, need_lse=need_lse)
+
+    def native(i):
+        return native_call.attention("cudnn", config, i, need_lse=need_lse)
+    if cudnn_flex.float_args(config):
+        out, lse = cudnn_flex.with_arg_gradients(native, config, inputs)
+    else:
+        out, lse = native(inputs)
+    return cudnn_flex.zero_padded_rows(config, inputs, out, lse)
+
+
+def _flex_inputs(config: AttnConfig, inputs: AttnInputs) -> Tuple[jax.Array, ...]:
+    """A lowered score_mod's static inputs (after the sink, as the handlers bind them)."""
+    return cudnn_flex.static_inputs(config, inputs) if cudnn_flex.is_flex(config) else ()
 
 
 def aux_arrays(config: AttnConfig, inputs: AttnInputs) -> Tuple[jax.Array, ...]:
     """Sequence lengths, ragged offsets and dropout seed/offset, in the handlers' order."""
     aux = []
     seq = inputs.sequence
-    if config.is_padded:
+    if config.is_padded and not cudnn_flex.is_flex(config):  # else the programs hold them
         aux += [jnp.clip(seq.q_lengths, 0, config.s_q).astype(jnp.int32).reshape(-1),
                 jnp.clip(seq.kv_lengths, 0, config.s_kv).astype(jnp.int32).reshape(-1)]
     elif config.is_packed:
@@ -411,13 +431,14 @@ def workspace_shape(nbytes: int):
     return jax.ShapeDtypeStruct((max(int(nbytes), 1),), jnp.uint8)
 
 
-def _forward_call(static: _Static, diff, aux, training: bool):
+def _forward_call(static: _Static, diff, aux, training: bool, flex=()):
     cfg = static.config
     q, k, v, bias, sink = diff
     args = [x for x in (q, k, v) if x is not None]
     args += [bias] if bias is not None else []
     args += list(aux)
     args += [sink] if sink is not None else []
+    args += list(flex)
     results = [jax.ShapeDtypeStruct(out_shape(cfg), q.dtype)]
     if training:
         results.append(jax.ShapeDtypeStruct(stats_shape(cfg), jnp.float32))
@@ -428,7 +449,7 @@ def _forward_call(static: _Static, diff, aux, training: bool):
     return outs[0], (outs[1] if training else None)
 
 
-def _backward_call(static: _Static, diff, aux, o, lse, d_o):
+def _backward_call(static: _Static, diff, aux, o, lse, d_o, flex=()):
     cfg = static.config
     q, k, v, bias, sink = diff
     buffers = [x for x in (q, k, v) if x is not None]
@@ -436,6 +457,7 @@ def _backward_call(static: _Static, diff, aux, o, lse, d_o):
     args += [bias] if bias is not None else []
     args += list(aux)
     args += [sink] if sink is not None else []
+    args += list(flex)
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in buffers]
     if bias is not None:
         results.append(jax.ShapeDtypeStruct(bias.shape, bias.dtype))

@@ -237,9 +237,8 @@ def _grad_slots(config: AttnConfig, inputs: AttnInputs) -> AttnInputs:
 def attention(backend: str, config: AttnConfig, inputs: AttnInputs, *, need_lse: bool = False):
     """(out, lse) from native `backend`; lse (fp32 ``[b, h_q, s_q]``, no gradient) only
     when `need_lse`. Differentiable in q, k, v, bias and softmax_offset."""
-    if inputs.score_mod_args:  # each native backend's config_reason refuses them
-        raise ValueError(f"the {backend} backend takes no score_mod_args (its score_mods are "
-                         f"built in); got {len(inputs.score_mod_args)}")
+    # score_mod_args (cudnn's lowered score_mods) reach the kernels as they are; their
+    # cotangents here are None: cudnn_flex supplies floating ones from the XLA backend.
     inputs = inputs._replace(rng=rng_bits(config, inputs.rng))
     if need_lse:
         out, lse = _attend_with_lse(backend, config, inputs)
@@ -268,7 +267,7 @@ def _cotangents(inputs: AttnInputs, grads: AttnInputs) -> AttnInputs:
     return AttnInputs(q=grads.q, k=grads.k, v=grads.v, bias=grads.bias,
                       softmax_offset=grads.softmax_offset,
                       sequence=jax.tree_util.tree_map(lambda _: None, inputs.sequence),
-                      rng=None, score_mod_args=())
+                      rng=None, score_mod_args=tuple(None for _ in inputs.score_mod_args))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

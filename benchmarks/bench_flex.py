@@ -1,0 +1,162 @@
+"""score_mods on one GPU: our cuDNN score_mod path (any JAX function, lowered), our
+plain cuDNN, the XLA fallback and PyTorch flex_attention (torch.compile), forward and
+forward+backward, TFLOP/s (causal halved; forward+backward = 3.5x the forward).
+
+JAX rows run round-robin in this process (benchmarks/common.py); PyTorch runs in a
+child process (the two frameworks do not share GPU memory) timing its rows the
+same way, on the same shapes. b4 s4096 h16 d128 bf16.
+
+    python benchmarks/bench_flex.py
+
+Writes benchmarks/results/flex_<device>.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_attention import _fwd_bwd, _inputs  # noqa: E402
+from common import device_meta, device_slug, print_table, time_interleaved, warmed, write_results  # noqa: E402
+
+import fusedattn  # noqa: E402
+from fusedattn import score_mods  # noqa: E402
+from fusedattn.config import AttnConfig  # noqa: E402
+
+B, S, H, D = 4, 4096, 16, 128
+SLOPES = jnp.asarray(score_mods.alibi_slopes(H))
+
+# name -> (score_mod, mask_mod, mask, uses slopes)
+CASES = {
+    "relative_position": (lambda s, b, h, q, k: s + 0.01 * (q - k), None, "none", False),
+    "softcap": (lambda s, b, h, q, k: 30.0 * jnp.tanh(s / 30.0), None, "none", False),
+    "alibi_lambda": (lambda s, b, h, q, k, sl: s + sl[h] * (k - q), None, "causal", True),
+    "causal_relative_position": (lambda s, b, h, q, k: s + 0.01 * (q - k), None, "causal",
+                                 False),
+    "document_mask": (None, lambda b, h, q, k: (q // 1024) == (k // 1024), "none", False),
+}
+
+TORCH = r'''
+import json, math, statistics, sys, time
+import torch
+from torch.nn.attention.flex_attention import flex_attention, create_block_mask
+B, S, H, D = %d, %d, %d, %d
+torch.manual_seed(0)
+q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+for t in (q, k, v):
+    t.requires_grad_(True)
+n = 2 ** (-8.0 / H)
+slopes = torch.tensor([2 ** (-8.0 * (i + 1) / H) for i in range(H)], device="cuda")
+mods = {
+  "relative_position": (lambda s, b, h, i, j: s + 0.01 * (i - j), None),
+  "softcap": (lambda s, b, h, i, j: 30.0 * torch.tanh(s / 30.0), None),
+  "alibi_lambda": (lambda s, b, h, i, j: s + slopes[h] * (j - i), lambda b, h, i, j: j <= i),
+  "causal_relative_position": (lambda s, b, h, i, j: s + 0.01 * (i - j), lambda b, h, i, j: j <= i),
+  "document_mask": (None, lambda b, h, i, j: (i // 1024) == (j // 1024)),
+}
+fa = torch.compile(flex_attention)
+def time_round(fn, reps):
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(reps): fn()
+    torch.cuda.synchronize(); return (time.perf_counter() - t0) / reps
+out = {}
+for name, (mod, mask) in mods.items():
+    bm = create_block_mask(mask, None, None, S, S) if mask else None
+    fwd = lambda: fa(q, k, v, score_mod=mod, block_mask=bm)
+    def fb():
+        o = fa(q, k, v, score_mod=mod, block_mask=bm)
+        torch.autograd.grad(o, (q, k, v), do)
+    calls = {"fwd": fwd, "fwd+bwd": fb}
+    for f in calls.values():
+        for _ in range(3): f()
+    reps = {m: max(3, math.ceil(0.025 / time_round(f, 1))) for m, f in calls.items()}
+    samples = {m: [] for m in calls}
+    for _ in range(7):
+        for m, f in calls.items(): samples[m].append(time_round(f, reps[m]))
+    out[name] = {m: statistics.median(s) for m, s in samples.items()}
+print("RESULT" + json.dumps(out))
+'''
+
+
+def torch_times() -> dict:
+    """{case: {mode: seconds}} from PyTorch flex_attention in a child process."""
+    proc = subprocess.run([sys.executable, "-c", TORCH % (B, S, H, D)], capture_output=True,
+                          text=True, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT"):
+            return json.loads(line[len("RESULT"):])
+    raise RuntimeError(f"torch flex_attention failed: {proc.stderr[-2000:]}")
+
+
+def main():
+    if jax.default_backend() != "gpu":
+        print("bench_flex: needs a CUDA GPU, skipped")
+        return
+    meta = device_meta()
+    print(f"device {meta.get('device')}  jax {meta.get('jax')}  cuDNN {meta.get('cudnn')}",
+          flush=True)
+    notes = {}
+    try:
+        torch = torch_times()
+    except Exception as e:  # noqa: BLE001 - the anchor is reported missing, with why
+        torch, notes["torch"] = {}, f"{type(e).__name__}: {str(e)[:300]}"
+    q, k, v, do = _inputs(B, S, H, H, D)
+    rows = []
+    for name, (mod, mask_mod, mask, slopes) in CASES.items():
+        args = (SLOPES,) if slopes else ()
+        cfg = AttnConfig(batch=B, s_q=S, s_kv=S, h_q=H, h_kv=H, d_qk=D, d_v=D,
+                         dtype="bfloat16", mask=mask)
+        impls = {
+            "fusedattn-cudnn-flex": lambda q, k, v, m=mod, mm=mask_mod, a=args, mk=mask:
+                fusedattn.fused_attn(q, k, v, mask=mk, score_mod=m, mask_mod=mm,
+                                     score_mod_args=a, backend="cudnn"),
+            "fusedattn-xla": lambda q, k, v, m=mod, mm=mask_mod, a=args, mk=mask:
+                fusedattn.fused_attn(q, k, v, mask=mk, score_mod=m, mask_mod=mm,
+                                     score_mod_args=a, backend="xla"),
+            "fusedattn-cudnn-plain": lambda q, k, v, mk=mask:
+                fusedattn.fused_attn(q, k, v, mask=mk, backend="cudnn"),
+        }
+        for mode in ("fwd", "fwd+bwd"):
+            row = {"case": name, "mode": mode}
+            flops = cfg.flops(backward=mode == "fwd+bwd")
+            calls = {}
+            for impl, fn in impls.items():
+                f, a = (jax.jit(fn), (q, k, v)) if mode == "fwd" else (_fwd_bwd(fn), (q, k, v, do))
+                try:
+                    calls[impl] = (warmed(f, *a), a)
+                except Exception as e:  # noqa: BLE001
+                    notes[f"{impl} {name} {mode}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            for impl, t in time_interleaved(calls).items():
+                row[impl] = flops / t / 1e12
+            if torch.get(name, {}).get(mode):
+                row["torch-flex"] = flops / torch[name][mode] / 1e12
+            ours = row.get("fusedattn-cudnn-flex")
+            for other in ("fusedattn-cudnn-plain", "fusedattn-xla", "torch-flex"):
+                if ours and row.get(other):
+                    row[f"x {other}"] = ours / row[other]
+            rows.append(row)
+            print(f"  {name} {mode}: " + ", ".join(f"{i}={row[i]:.0f}" for i in row
+                                                   if isinstance(row[i], float) and "x " not in i),
+                  flush=True)
+    print("\nTFLOP/s (bf16; causal halved) and ratios of fusedattn-cudnn-flex")
+    print_table(rows, ["case", "mode", "fusedattn-cudnn-flex", "fusedattn-cudnn-plain",
+                       "fusedattn-xla", "torch-flex", "x fusedattn-cudnn-plain", "x fusedattn-xla",
+                       "x torch-flex"])
+    for key, value in notes.items():
+        print(f"note: {key}: {value}")
+    meta.update({"notes": notes, "shape": f"b{B} s{S} h{H} d{D}"})
+    print("wrote", write_results(f"flex_{device_slug(meta)}", rows, meta))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)

@@ -1,0 +1,219 @@
+// Rebuilding lowered score_mod programs as cuDNN pointwise nodes (cudnn_flex.h).
+#include "cudnn_flex.h"
+
+#include <cstdlib>
+#include <map>
+#include <stdexcept>
+
+#include "cudnn_graph_parts.h"
+
+namespace fusedattn::cudnn_attn {
+namespace {
+
+using fe::PointwiseMode_t;
+
+struct OpInfo {
+  PointwiseMode_t mode;
+  int arity;
+  bool boolean;  // the result is a predicate
+};
+
+const std::map<std::string, OpInfo, std::less<>>& op_table() {
+  static const std::map<std::string, OpInfo, std::less<>> table = {
+      {"add", {PointwiseMode_t::ADD, 2, false}},     {"sub", {PointwiseMode_t::SUB, 2, false}},
+      {"mul", {PointwiseMode_t::MUL, 2, false}},     {"div", {PointwiseMode_t::DIV, 2, false}},
+      {"max", {PointwiseMode_t::MAX, 2, false}},     {"min", {PointwiseMode_t::MIN, 2, false}},
+      {"pow", {PointwiseMode_t::POW, 2, false}},     {"mod", {PointwiseMode_t::MOD, 2, false}},
+      {"neg", {PointwiseMode_t::NEG, 1, false}},     {"abs", {PointwiseMode_t::ABS, 1, false}},
+      {"exp", {PointwiseMode_t::EXP, 1, false}},     {"log", {PointwiseMode_t::LOG, 1, false}},
+      {"tanh", {PointwiseMode_t::TANH_FWD, 1, false}},
+      {"sigmoid", {PointwiseMode_t::SIGMOID_FWD, 1, false}},
+      {"erf", {PointwiseMode_t::ERF, 1, false}},     {"sqrt", {PointwiseMode_t::SQRT, 1, false}},
+      {"rsqrt", {PointwiseMode_t::RSQRT, 1, false}}, {"sin", {PointwiseMode_t::SIN, 1, false}},
+      {"cos", {PointwiseMode_t::COS, 1, false}},     {"tan", {PointwiseMode_t::TAN, 1, false}},
+      {"floor", {PointwiseMode_t::FLOOR, 1, false}}, {"ceil", {PointwiseMode_t::CEIL, 1, false}},
+      {"recip", {PointwiseMode_t::RECIPROCAL, 1, false}},
+      {"id", {PointwiseMode_t::IDENTITY, 1, false}},
+      {"eq", {PointwiseMode_t::CMP_EQ, 2, true}},    {"ne", {PointwiseMode_t::CMP_NEQ, 2, true}},
+      {"gt", {PointwiseMode_t::CMP_GT, 2, true}},    {"ge", {PointwiseMode_t::CMP_GE, 2, true}},
+      {"lt", {PointwiseMode_t::CMP_LT, 2, true}},    {"le", {PointwiseMode_t::CMP_LE, 2, true}},
+      {"and", {PointwiseMode_t::LOGICAL_AND, 2, true}},
+      {"or", {PointwiseMode_t::LOGICAL_OR, 2, true}},
+      {"not", {PointwiseMode_t::LOGICAL_NOT, 1, true}},
+      {"sel", {PointwiseMode_t::BINARY_SELECT, 3, false}},
+  };
+  return table;
+}
+
+FlexOperand parse_operand(std::string_view t, size_t n_values) {
+  if (t.empty()) throw std::invalid_argument("flex program: empty operand");
+  FlexOperand o{FlexOperand::Kind::kScore};
+  auto number = [&](std::string_view digits) {
+    char* end = nullptr;
+    std::string s(digits);
+    const long long v = std::strtoll(s.c_str(), &end, 10);
+    if (s.empty() || *end != '\0' || v < 0)
+      throw std::invalid_argument("flex program: bad operand '" + std::string(t) + "'");
+    return static_cast<int64_t>(v);
+  };
+  switch (t[0]) {
+    case 's': if (t.size() != 1) break; return {FlexOperand::Kind::kScore};
+    case 'q': if (t.size() != 1) break; return {FlexOperand::Kind::kQIdx};
+    case 'k': if (t.size() != 1) break; return {FlexOperand::Kind::kKvIdx};
+    case 'g': if (t.size() != 1) break; return {FlexOperand::Kind::kGrad};
+    case 'a': o.kind = FlexOperand::Kind::kInput; o.index = number(t.substr(1)); return o;
+    case 'v':
+      o.kind = FlexOperand::Kind::kValue;
+      o.index = number(t.substr(1));
+      if (static_cast<size_t>(o.index) >= n_values)
+        throw std::invalid_argument("flex program: '" + std::string(t) + "' used before it is made");
+      return o;
+    case 'c': {
+      std::string s(t.substr(1));
+      char* end = nullptr;
+      o.kind = FlexOperand::Kind::kConst;
+      o.value = std::strtof(s.c_str(), &end);
+      if (s.empty() || *end != '\0') break;
+      return o;
+    }
+    default: break;
+  }
+  throw std::invalid_argument("flex program: bad operand '" + std::string(t) + "'");
+}
+
+std::vector<std::string_view> split(std::string_view text, char sep) {
+  std::vector<std::string_view> parts;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    size_t end = text.find(sep, pos);
+    if (end == std::string_view::npos) end = text.size();
+    parts.push_back(text.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  return parts;
+}
+
+}  // namespace
+
+FlexProgram parse_flex_program(std::string_view text) {
+  FlexProgram program;
+  if (text.empty()) return program;
+  for (std::string_view item : split(text, '|')) {
+    const size_t colon = item.find(':');
+    if (colon == std::string_view::npos)
+      throw std::invalid_argument("flex program: instruction '" + std::string(item) + "' lacks ':'");
+    FlexOp op;
+    op.name = std::string(item.substr(0, colon));
+    auto info = op_table().find(op.name);
+    if (info == op_table().end())
+      throw std::invalid_argument("flex program: unknown operation '" + op.name + "'");
+    for (std::string_view arg : split(item.substr(colon + 1), ','))
+      op.args.push_back(parse_operand(arg, program.size()));
+    if (static_cast<int>(op.args.size()) != info->second.arity)
+      throw std::invalid_argument("flex program: '" + op.name + "' takes " +
+                                  std::to_string(info->second.arity) + " operands");
+    program.push_back(std::move(op));
+  }
+  return program;
+}
+
+std::vector<std::vector<int64_t>> parse_flex_inputs(std::string_view text) {
+  std::vector<std::vector<int64_t>> shapes;
+  if (text.empty()) return shapes;
+  for (std::string_view item : split(text, ',')) {
+    std::vector<int64_t> dims;
+    for (std::string_view d : split(item, '.')) dims.push_back(std::strtoll(std::string(d).c_str(), nullptr, 10));
+    if (dims.size() != 4 || dims[0] <= 0 || dims[1] <= 0 || dims[2] <= 0 || dims[3] <= 0)
+      throw std::invalid_argument("flex inputs: bad shape '" + std::string(item) + "'");
+    shapes.push_back(std::move(dims));
+  }
+  return shapes;
+}
+
+struct FlexMod::State {
+  FlexProgram forward, backward;
+  std::vector<TensorPtr> inputs;  // on the main graph, captured by the callbacks
+  TensorPtr score;                // the backward graph's recomputed score, for the bprop
+};
+
+namespace {
+
+TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Graph>& g,
+               const std::vector<TensorPtr>& inputs, const TensorPtr& score, const TensorPtr& grad) {
+  std::vector<TensorPtr> values;
+  TensorPtr q_idx, kv_idx;
+  auto index = [&](TensorPtr& slot, int axis) {
+    if (!slot) {
+      slot = g->pointwise(score, fe::graph::Pointwise_attributes()
+                                     .set_mode(PointwiseMode_t::GEN_INDEX).set_axis(axis)
+                                     .set_compute_data_type(fe::DataType_t::INT32));
+      slot->set_data_type(fe::DataType_t::INT32);
+    }
+    return slot;
+  };
+  auto operand = [&](const FlexOperand& o) -> TensorPtr {
+    switch (o.kind) {
+      case FlexOperand::Kind::kScore: return score;
+      case FlexOperand::Kind::kQIdx: return index(q_idx, 2);
+      case FlexOperand::Kind::kKvIdx: return index(kv_idx, 3);
+      case FlexOperand::Kind::kGrad:
+        if (!grad) throw std::invalid_argument("flex program: 'g' outside a bprop");
+        return grad;
+      case FlexOperand::Kind::kInput:
+        if (static_cast<size_t>(o.index) >= inputs.size())
+          throw std::invalid_argument("flex program: input a" + std::to_string(o.index) + " missing");
+        return inputs[o.index];
+      case FlexOperand::Kind::kValue: return values[o.index];
+      default: return std::make_shared<fe::graph::Tensor_attributes>(o.value);
+    }
+  };
+  for (const FlexOp& op : program) {
+    const OpInfo& info = op_table().find(op.name)->second;
+    auto attrs = fe::graph::Pointwise_attributes().set_mode(info.mode).set_compute_data_type(
+        info.boolean ? fe::DataType_t::BOOLEAN : fe::DataType_t::FLOAT);
+    TensorPtr out;
+    if (info.arity == 1) {
+      out = g->pointwise(operand(op.args[0]), attrs);
+    } else if (info.arity == 2) {
+      out = g->pointwise(operand(op.args[0]), operand(op.args[1]), attrs);
+    } else {  // sel: cuDNN's BINARY_SELECT(a, b, cond) is cond ? a : b
+      attrs.set_compute_data_type(fe::DataType_t::FLOAT);
+      out = g->pointwise(operand(op.args[1]), operand(op.args[2]), operand(op.args[0]), attrs);
+    }
+    out->set_data_type(info.boolean ? fe::DataType_t::BOOLEAN : fe::DataType_t::FLOAT);
+    values.push_back(out);
+  }
+  return values.empty() ? score : values.back();
+}
+
+}  // namespace
+
+FlexMod::FlexMod(fe::graph::Graph& g, const AttnParams& p) : state_(std::make_shared<State>()) {
+  state_->forward = parse_flex_program(p.flex);
+  state_->backward = parse_flex_program(p.flex_bprop);
+  const auto shapes = parse_flex_inputs(p.flex_inputs);
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const auto& d = shapes[i];
+    TensorGeometry geom{d, {d[1] * d[2] * d[3], d[2] * d[3], d[3], 1}, 0};
+    const std::string name = "flex_input" + std::to_string(i);
+    state_->inputs.push_back(add_tensor(g, name.c_str(), static_cast<Uid>(kFlexInput + i), geom,
+                                        fe::DataType_t::FLOAT));
+  }
+}
+
+ScoreModifier FlexMod::forward() const {
+  return [state = state_](std::shared_ptr<fe::graph::Graph> g, TensorPtr score) {
+    state->score = score;
+    return emit(state->forward, g, state->inputs, score, nullptr);
+  };
+}
+
+ScoreModifier FlexMod::backward() const {
+  return [state = state_](std::shared_ptr<fe::graph::Graph> g, TensorPtr grad) {
+    if (!state->score)
+      throw std::runtime_error("flex bprop called before the forward score_mod (recompute)");
+    return emit(state->backward, g, state->inputs, state->score, grad);
+  };
+}
+
+}  // namespace fusedattn::cudnn_attn

@@ -1,0 +1,59 @@
+// score_mods lowered by Python (src/fusedattn/flex_lowering.py) into programs of
+// cuDNN pointwise operations, rebuilt here inside the SDPA node's score_mod and
+// score_mod_bprop callbacks.
+//
+// A program is text: instructions separated by '|', each "op:operand,operand,..".
+// Operands: s (the score: fp32 scaled logits), q / k (query / key index, from
+// cuDNN's index generation along axes 2 / 3), g (the incoming gradient, bprop
+// only), aN (static input N: a float tensor broadcast over [b, h, s_q, s_kv],
+// evaluated by XLA from batch / head indices and score_mod_args), vN (the result
+// of instruction N), c<float> (a constant). The last instruction is the result.
+// The backward graph runs the forward program first (cuDNN recomputes the
+// scores), so the bprop program reads the same score.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cudnn_graph.h"
+
+namespace fusedattn::cudnn_attn {
+
+// What the SDPA attributes' set_score_mod / set_score_mod_bprop take.
+using ScoreModifier = std::function<TensorPtr(std::shared_ptr<fe::graph::Graph>, TensorPtr)>;
+
+struct FlexOperand {
+  enum class Kind { kScore, kQIdx, kKvIdx, kGrad, kInput, kValue, kConst } kind;
+  int64_t index = 0;  // input or value number
+  float value = 0.f;  // constant
+};
+
+struct FlexOp {
+  std::string name;  // add, sub, ..., sel (cond, if_true, if_false), id
+  std::vector<FlexOperand> args;
+};
+
+using FlexProgram = std::vector<FlexOp>;
+
+// Throws std::invalid_argument naming what is malformed.
+FlexProgram parse_flex_program(std::string_view text);
+// "b.h.q.k" dims of the static inputs, comma separated.
+std::vector<std::vector<int64_t>> parse_flex_inputs(std::string_view text);
+
+// The score_mod callbacks of one graph: declares the static inputs on the main
+// graph (uids kFlexInput + i) and emits the programs when the frontend calls back.
+class FlexMod {
+ public:
+  FlexMod(fe::graph::Graph& g, const AttnParams& p);
+  ScoreModifier forward() const;
+  ScoreModifier backward() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace fusedattn::cudnn_attn

@@ -1,0 +1,117 @@
+"""Any JAX score_mod / mask_mod on cuDNN: the cudnn backend's side of
+`fusedattn.flex_lowering`.
+
+The config's masks (causal, window, padding lengths) and its score_mod (a mask_mod
+arrives composed into it, `score_mods.Masked`) are lowered together into the graph's
+score_mod and score_mod_bprop programs; the graph key then says "no mask, dense"
+to cuDNN, whose own masks a score_mod switches off. Padded query rows are zeroed
+here after the call, as the contract says.
+
+Gradients of floating-point score_mod_args (a learnable per-head scale): cuDNN's
+bprop gives the gradient of the scores only, so they are computed by the XLA
+backend's backward on the same inputs (correct, and as slow as that backend; the
+plan says so). Integer arguments get none.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, Optional
+
+import jax
+import jax.numpy as jnp
+
+from .. import flex_lowering
+from ..config import AttnConfig
+from ..score_mods import Alibi, SoftCap
+from .base import AttnInputs
+
+
+def is_flex(config: AttnConfig) -> bool:
+    """A score_mod that is not one of cuDNN's built-in forms (ALiBi, soft-capping)."""
+    return config.score_mod is not None and not isinstance(config.score_mod, (Alibi, SoftCap))
+
+
+def float_args(config: AttnConfig) -> bool:
+    return any(jnp.issubdtype(jnp.dtype(d), jnp.floating) for _, d in config.score_mod_arg_specs)
+
+
+@functools.lru_cache(maxsize=256)
+def lowered(config: AttnConfig) -> flex_lowering.Lowered:
+    """The programs of this config (raises flex_lowering.Unsupported)."""
+    return flex_lowering.lower(config, config.score_mod)
+
+
+def reason(config: AttnConfig) -> Optional[str]:
+    """Why this score_mod cannot run on cuDNN (None: it is lowered)."""
+    if config.has_bias:
+        return ("score_mod with bias: cuDNN applies a score_mod before the bias, fusedattn's "
+                "contract after it (to scale * q.k + bias)")
+    if config.is_packed:
+        return ("score_mod with packed (THD) sequences: positions inside segments are not "
+                "composed into the lowered graph")
+    if config.has_dropout and float_args(config):
+        return ("score_mod_args gradients come from the XLA backend, whose dropout masks "
+                "differ from cuDNN's: not with dropout")
+    try:
+        lowered(config)
+    except flex_lowering.Unsupported as e:
+        return f"score_mod cannot be lowered to cuDNN: {e}"
+    return None
+
+
+def key_fields(config: AttnConfig) -> Dict[str, object]:
+    """The graph-key fields a lowered score_mod sets: its programs and inputs, and no
+    cuDNN masks (the programs hold them)."""
+    low = lowered(config)
+    return {"mask": 0, "wl": -1, "wr": -1, "seq": 0, "segs": 1, "flex": low.forward,
+            "flexb": low.bprop, "flexin": ",".join(".".join(map(str, s))
+                                                   for s in low.input_shapes)}
+
+
+def static_inputs(config: AttnConfig, inputs: AttnInputs):
+    """The programs' static inputs, evaluated by XLA from the arguments and lengths."""
+    lengths = ()
+    if config.is_padded:
+        lengths = (jnp.clip(inputs.sequence.q_lengths, 0, config.s_q).astype(jnp.int32),
+                   jnp.clip(inputs.sequence.kv_lengths, 0, config.s_kv).astype(jnp.int32))
+    return tuple(lowered(config).evaluate(inputs.score_mod_args, lengths))
+
+
+def zero_padded_rows(config: AttnConfig, inputs: AttnInputs, out, lse):
+    """Padded query rows: 0 in the output and -inf in the LSE (the graph computed them
+    with every key masked)."""
+    if not config.is_padded:
+        return out, lse
+    q_len = inputs.sequence.q_lengths.astype(jnp.int32)
+    valid = jnp.arange(config.s_q)[None, :] < q_len[:, None]  # [b, s_q]
+    token = valid.T[:, :, None, None] if config.layout == "sbhd" else valid[:, :, None, None]
+    out = jnp.where(token, out, jnp.zeros((), out.dtype))
+    if lse is not None:
+        lse = jnp.where(valid[:, None, :], lse, -jnp.inf)
+    return out, lse
+
+
+def with_arg_gradients(native, config: AttnConfig, inputs: AttnInputs):
+    """`native(inputs) -> (out, lse)` with gradients for floating score_mod_args from the
+    XLA backend (cuDNN gives only the scores' gradient)."""
+    from . import xla  # noqa: PLC0415
+
+    @jax.custom_vjp
+    def run(inputs):
+        return native(inputs)
+
+    def fwd(inputs):
+        (out, lse), vjp = jax.vjp(native, inputs)
+        return (out, lse), (inputs, vjp)
+
+    def bwd(residuals, cotangents):
+        inputs, vjp = residuals
+        grads = vjp(cotangents)[0]
+        _, arg_vjp = jax.vjp(lambda a: xla.attention(config, inputs._replace(score_mod_args=a)),
+                             inputs.score_mod_args)
+        d_args = arg_vjp(cotangents[0].astype(inputs.q.dtype))[0]
+        return (grads._replace(score_mod_args=tuple(
+            g if jnp.issubdtype(a.dtype, jnp.floating) else None
+            for g, a in zip(d_args, inputs.score_mod_args))),)
+    run.defvjp(fwd, bwd)
+    return run(inputs)

@@ -1,0 +1,470 @@
+"""A JAX score_mod / mask_mod -> a program of cuDNN pointwise operations.
+
+The function cuDNN runs is `masked_score_mod`: the user's score_mod, then the
+mask_mod and fusedattn's own masks (causal of either alignment, windows,
+padding lengths) as a select to -inf, since cuDNN turns its built-in masks off
+when a score_mod is set. It is traced to a jaxpr over the call's shapes (score
+``[b, h, s_q, s_kv]``, batch ``[b, 1, 1, 1]``, head ``[1, h, 1, 1]``, q_idx
+``[1, 1, s_q, 1]``, kv_idx ``[1, 1, 1, s_kv]``) and split by what each value
+depends on:
+
+* *static* values (only batch, head, score_mod_args, lengths, constants) are
+  evaluated by XLA at call time into small float tensors (``[b|1, h|1, 1, 1]``
+  for per-head slopes and the like) that the graph takes as inputs (`inputs`);
+* *dynamic* values (anything that depends on the score or an index) become
+  instructions of the program (csrc/cuda/cudnn_flex.h has the grammar).
+
+The backward program (score_mod_bprop) is JAX's derivative of the same function
+with respect to the score, lowered the same way and multiplied by the incoming
+gradient ``g``. A primitive cuDNN cannot express on dynamic values (a gather, a
+reduction, integer bit operations) raises `Unsupported` naming it.
+
+The program text is canonical (it is made from the jaxpr, not from the
+function's identity), so it is the cache key's part for the score_mod:
+two equal lambdas share a graph; different ones never collide.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax.extend.core import Literal
+
+from .config import AttnConfig
+
+_INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+           "custom_vjp_call_jaxpr", "remat", "checkpoint")  # calls whose body is inlined
+_UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh",
+          "logistic": "sigmoid", "erf": "erf", "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin",
+          "cos": "cos", "tan": "tan", "floor": "floor", "ceil": "ceil"}
+_BINARY = {"add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "max": "max", "min": "min", "pow": "pow",
+           "rem": "mod", "eq": "eq", "ne": "ne", "gt": "gt", "ge": "ge", "lt": "lt", "le": "le"}
+_LOGICAL = {"and": "and", "or": "or", "not": "not"}
+_ELEMENTWISE = set(_UNARY) | set(_BINARY) | set(_LOGICAL) | {
+    "div", "select_n", "convert_element_type", "integer_pow", "square", "exp2", "log1p",
+    "expm1", "clamp", "sign"}
+_SHAPE_ONLY = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p")
+
+
+class Unsupported(ValueError):
+    """The score_mod uses something cuDNN cannot express; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """A lowered score_mod: the two programs and what feeds their static inputs."""
+    forward: str
+    bprop: str
+    input_shapes: Tuple[Tuple[int, int, int, int], ...]
+    # Evaluates the static inputs from (score_mod_args, q_lengths, kv_lengths).
+    evaluate: Callable = dataclasses.field(compare=False, repr=False, hash=False)
+
+
+def masked_score_mod(config: AttnConfig, score_mod: Optional[Callable],
+                     mask_mod: Optional[Callable]) -> Callable:
+    """``f(score, batch, head, q_idx, kv_idx, *args, [q_len, kv_len])``: the score_mod,
+    then every mask of the config as -inf (lengths are passed when padded)."""
+    n_args = len(config.score_mod_arg_specs)
+    left, right = config.window_bounds()
+
+    def f(score, batch, head, q_idx, kv_idx, *rest):
+        args, lengths = rest[:n_args], rest[n_args:]
+        s = score if score_mod is None else score_mod(score, batch, head, q_idx, kv_idx, *args)
+        visible = None
+
+        def both(a, b):
+            return b if a is None else a & b
+        if mask_mod is not None:
+            visible = mask_mod(batch, head, q_idx, kv_idx, *args)
+        if lengths:
+            q_len, kv_len = (x[batch] for x in lengths)
+            visible = both(visible, (q_idx < q_len) & (kv_idx < kv_len))
+        centre = q_idx
+        if config.bottom_right:
+            centre = q_idx + ((kv_len - q_len) if lengths else config.s_kv - config.s_q)
+        if right >= 0:
+            visible = both(visible, kv_idx <= centre + right)
+        if left >= 0:
+            visible = both(visible, kv_idx >= centre - left)
+        return s if visible is None else jnp.where(visible, s, -jnp.inf)
+    return f
+
+
+def _specs(config: AttnConfig):
+    i32 = jnp.int32
+    b, h, sq, skv = config.batch, config.h_q, config.s_q, config.s_kv
+    specs = [jax.ShapeDtypeStruct((b, h, sq, skv), jnp.float32),
+             jax.ShapeDtypeStruct((b, 1, 1, 1), i32), jax.ShapeDtypeStruct((1, h, 1, 1), i32),
+             jax.ShapeDtypeStruct((1, 1, sq, 1), i32), jax.ShapeDtypeStruct((1, 1, 1, skv), i32)]
+    specs += [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in config.score_mod_arg_specs]
+    if config.is_padded:
+        specs += [jax.ShapeDtypeStruct((b,), i32)] * 2
+    return specs
+
+
+def _fmt(value: float) -> str:
+    return "c" + repr(float(value))
+
+
+@dataclasses.dataclass
+class _Eqn:
+    """A jaxpr equation with nested calls inlined (vars renamed to the outer ones)."""
+    primitive: object
+    params: dict
+    invars: list
+    outvars: list
+
+
+class _Var:
+    """A fresh variable for a value inside an inlined call (one per call site: two
+    calls of one nested jaxpr share its Var objects)."""
+    def __init__(self, aval):
+        self.aval = aval
+
+
+def _flatten(jaxpr, rename: Dict[object, object], consts: Dict[object, np.ndarray],
+             fresh: bool = False) -> List[_Eqn]:
+    """The equations of `jaxpr` with pjit / custom_jvp / ... calls inlined; inside an
+    inlined call (`fresh`) every variable is renamed to a new `_Var`."""
+    def name(v):
+        return v if isinstance(v, Literal) else rename.get(v, v)
+
+    def define(v):
+        if not fresh:
+            return v
+        rename[v] = _Var(v.aval)
+        return rename[v]
+    flat: List[_Eqn] = []
+    for eqn in jaxpr.eqns:
+        ins = [name(v) for v in eqn.invars]
+        sub = next((eqn.params[p] for p in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+                    if p in eqn.params), None)
+        if eqn.primitive.name in _INLINE and sub is not None:
+            inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+            inner_rename = dict(zip(inner.invars, ins))
+            for var, const in zip(inner.constvars, getattr(sub, "consts", ())):
+                inner_rename[var] = _Var(var.aval)
+                consts[inner_rename[var]] = np.asarray(const)
+            flat += _flatten(inner, inner_rename, consts, fresh=True)
+            for inner_out, outer_out in zip(inner.outvars, eqn.outvars):
+                target = inner_out if isinstance(inner_out, Literal) \
+                    else inner_rename.get(inner_out, inner_out)
+                rename[outer_out] = target
+            continue
+        flat.append(_Eqn(eqn.primitive, eqn.params, ins, [define(v) for v in eqn.outvars]))
+    return flat
+
+
+def _live(eqns: List[_Eqn], outs) -> List[_Eqn]:
+    """The equations the outputs need, in order (a derivative's jaxpr also holds the
+    forward's now unused reduction, and inlined calls their unused outputs)."""
+    needed = {v for v in outs if not isinstance(v, Literal)}
+    kept = []
+    for eqn in reversed(eqns):
+        if any(v in needed for v in eqn.outvars):
+            kept.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+    return kept[::-1]
+
+
+class _Program:
+    """Lowers one flattened jaxpr: dynamic equations to instructions, the static values
+    they read to inputs (evaluated by XLA), scalar constants folded into the text."""
+
+    def __init__(self, first_input: int, consts: Dict[object, np.ndarray]):
+        self.lines: List[str] = []
+        self.inputs: List[object] = []  # vars XLA evaluates and the graph takes
+        self.first_input = first_input
+        self.value: Dict[object, str] = {}     # dynamic var -> operand
+        self.is_bool: Dict[object, bool] = {}
+        self.const: Dict[object, float] = {v: float(c.reshape(()))
+                                           for v, c in consts.items() if c.size == 1}
+        self.arrays = {v: c for v, c in consts.items() if c.size != 1}
+        self.static_eqns: List[_Eqn] = []      # what XLA evaluates, in order
+        self.origin: Dict[object, Tuple[object, Tuple[int, ...]]] = {}  # static broadcasts
+
+    def emit(self, op: str, *args: str) -> str:
+        # x + 0, x - 0, x * 1: no instruction.
+        if op in ("add", "sub") and args[1] == "c0.0" or op == "mul" and args[1] == "c1.0":
+            return args[0]
+        if op in ("add", "mul") and args[0] == ("c0.0" if op == "add" else "c1.0"):
+            return args[1]
+        self.lines.append(f"{op}:{','.join(args)}")
+        return f"v{len(self.lines) - 1}"
+
+    def operand(self, atom) -> str:
+        """The program operand of an atom (dynamic value, constant or static input)."""
+        if isinstance(atom, Literal):
+            return _fmt(atom.val)
+        if atom in self.value:
+            return self.value[atom]
+        if atom in self.const:
+            return _fmt(self.const[atom])
+        if atom not in self.inputs:
+            self.inputs.append(atom)
+        name = f"a{self.first_input + self.inputs.index(atom)}"
+        if atom.aval.dtype == jnp.bool_:  # static inputs travel as float 0 / 1
+            return self.emit("ne", name, "c0.0")
+        return name
+
+    def lower(self, eqns: List[_Eqn], out, names: Dict[object, str]) -> str:
+        for var, name in names.items():
+            self.value[var] = name
+            self.is_bool[var] = False
+        for eqn in eqns:
+            if any(not isinstance(v, Literal) and v in self.value for v in eqn.invars) \
+                    or self._broadcasts(eqn):
+                var = eqn.outvars[0]
+                self.is_bool[var] = var.aval.dtype == jnp.bool_
+                self.value[var] = self._dynamic(eqn, eqn.primitive.name)
+            else:
+                self._static(eqn)
+        return self.operand(out)
+
+    def _broadcasts(self, eqn: _Eqn) -> bool:
+        """An elementwise op of static values whose result is larger than its operands
+        (a per-head value times a full-size constant): an instruction, so the graph
+        takes the small operand, not an s_q x s_kv tensor."""
+        if eqn.primitive.name not in _ELEMENTWISE or self._fold(eqn) is not None:
+            return False
+        sizes = [math.prod(v.aval.shape) for v in eqn.invars
+                 if not isinstance(v, Literal) and v not in self.const]
+        return bool(sizes) and math.prod(eqn.outvars[0].aval.shape) > max(sizes)
+
+    def _static(self, eqn: _Eqn):
+        """XLA evaluates it, except what folds to a scalar constant; a broadcast of a
+        static value keeps its small source (no s_q x s_kv input)."""
+        folded = self._fold(eqn)
+        if folded is not None:
+            self.const[eqn.outvars[0]] = folded
+            return
+        if eqn.primitive.name == "broadcast_in_dim":
+            self.origin[eqn.outvars[0]] = (eqn.invars[0], tuple(eqn.params["broadcast_dimensions"]))
+        self.static_eqns.append(eqn)
+
+    def _fold(self, eqn: _Eqn) -> Optional[float]:
+        """The scalar value of an elementwise equation of constants (None: not one)."""
+        if len(eqn.outvars) != 1 or not eqn.invars or eqn.primitive.multiple_results:
+            return None
+        values = []
+        for v in eqn.invars:
+            if isinstance(v, Literal):
+                values.append(v.val)
+            elif v in self.const:
+                values.append(self.const[v])
+            else:
+                return None
+        if eqn.primitive.name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
+            return float(np.asarray(values[0]).reshape(()))
+        try:
+            dtypes = [v.aval.dtype for v in eqn.invars]
+            out = eqn.primitive.bind(*[jnp.asarray(x, d) for x, d in zip(values, dtypes)],
+                                     **eqn.params)
+            return float(np.asarray(out).reshape(()))
+        except Exception:  # not elementwise on scalars: XLA evaluates it
+            return None
+
+    def _dynamic(self, eqn, name: str) -> str:
+        ins = eqn.invars
+        out = eqn.outvars[0]
+        a = lambda i: self.operand(ins[i])  # noqa: E731
+        integer = jnp.issubdtype(out.aval.dtype, jnp.integer)
+        if name in _SHAPE_ONLY:
+            return a(0)
+        if name in _UNARY:
+            return self.emit(_UNARY[name], a(0))
+        if name in _BINARY:
+            return self.emit(_BINARY[name], a(0), a(1))
+        if name in _LOGICAL:
+            if not all(self._is_bool(v) for v in ins):
+                raise Unsupported(f"score_mod applies bitwise {name!r} to integers; cuDNN's "
+                                  f"logical operations take predicates only")
+            return self.emit(_LOGICAL[name], *(a(i) for i in range(len(ins))))
+        if name == "div":
+            q = self.emit("div", a(0), a(1))
+            return self._trunc(q) if integer else q
+        if name == "select_n":
+            if len(ins) != 3 or not self._is_bool(ins[0]):
+                raise Unsupported("score_mod selects among more than two cases (select_n with "
+                                  "an integer index); cuDNN selects with a predicate")
+            return self.emit("sel", a(0), a(2), a(1))
+        if name == "convert_element_type":
+            return self._convert(ins[0], eqn.params["new_dtype"])
+        if name == "integer_pow":
+            y = eqn.params["y"]
+            x = a(0)
+            return self.emit("mul", x, x) if y == 2 else self.emit("pow", x, _fmt(y))
+        if name == "square":
+            x = a(0)
+            return self.emit("mul", x, x)
+        if name == "exp2":
+            return self.emit("exp", self.emit("mul", a(0), _fmt(math.log(2.0))))
+        if name == "log1p":
+            return self.emit("log", self.emit("add", a(0), "c1.0"))
+        if name == "expm1":
+            return self.emit("sub", self.emit("exp", a(0)), "c1.0")
+        if name == "clamp":
+            return self.emit("min", self.emit("max", a(1), a(0)), a(2))
+        if name == "sign":
+            x = a(0)
+            neg = self.emit("sel", self.emit("lt", x, "c0.0"), "c-1.0", "c0.0")
+            return self.emit("sel", self.emit("gt", x, "c0.0"), "c1.0", neg)
+        if name in ("gather", "dynamic_slice", "concatenate", "scatter", "dynamic_update_slice"):
+            raise Unsupported(f"score_mod indexes an array with q_idx / kv_idx or the score "
+                              f"({name!r} in its jaxpr): cuDNN's graph has no gather; only "
+                              f"indexing by batch / head is evaluated (by XLA)")
+        raise Unsupported(f"score_mod uses {name!r} on a value that depends on the score or on "
+                          f"q_idx / kv_idx; cuDNN's graph has no such pointwise operation")
+
+    def _is_bool(self, atom) -> bool:
+        if isinstance(atom, Literal):
+            return np.asarray(atom.val).dtype == np.bool_
+        return self.is_bool.get(atom, atom.aval.dtype == jnp.bool_)
+
+    def _trunc(self, x: str) -> str:
+        """Round toward zero (integer division and float -> int casts)."""
+        return self.emit("sel", self.emit("lt", x, "c0.0"), self.emit("ceil", x),
+                         self.emit("floor", x))
+
+    def _convert(self, atom, new_dtype) -> str:
+        x = self.operand(atom)
+        src_bool = self._is_bool(atom)
+        if jnp.dtype(new_dtype) == jnp.bool_:
+            return x if src_bool else self.emit("ne", x, "c0.0")
+        if src_bool:
+            return self.emit("sel", x, "c1.0", "c0.0")
+        src_float = jnp.issubdtype(atom.aval.dtype, jnp.floating)
+        if src_float and jnp.issubdtype(new_dtype, jnp.integer):
+            return self._trunc(x)
+        return x  # numeric -> float (cuDNN computes in fp32), int -> int
+
+
+def lower(config: AttnConfig, score_mod: Optional[Callable],
+          mask_mod: Optional[Callable] = None) -> Lowered:
+    """The programs of `config`'s masks composed with score_mod / mask_mod (raises
+    `Unsupported` with the reason)."""
+    f = masked_score_mod(config, score_mod, mask_mod)
+    specs = _specs(config)
+
+    def derivative(score, *rest):
+        return jax.grad(lambda s: jnp.sum(f(s, *rest)))(score)
+    try:
+        fwd = jax.make_jaxpr(f)(*specs)
+        bwd = jax.make_jaxpr(derivative)(*specs)
+    except Exception as e:  # a function that does not trace: say so
+        raise Unsupported(f"score_mod / mask_mod did not trace: {type(e).__name__}: {e}") from e
+    programs = []
+    first = 0
+    for closed, is_bprop in ((fwd, False), (bwd, True)):
+        consts = {v: np.asarray(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
+        rename: Dict[object, object] = {}
+        eqns = _flatten(closed.jaxpr, rename, consts)
+        out = closed.jaxpr.outvars[0]
+        out = out if isinstance(out, Literal) else rename.get(out, out)
+        p = _Program(first, consts)
+        invars = closed.jaxpr.invars
+        result = p.lower(_live(eqns, [out]), out, dict(zip((invars[0], invars[3], invars[4]),
+                                                           ("s", "q", "k"))))
+        if is_bprop:
+            result = p.emit("mul", "g", result)
+        if result != f"v{len(p.lines) - 1}":  # the result must be the last instruction
+            p.lines.append(f"id:{result}")
+        programs.append((p, closed))
+        first += len(p.inputs)
+    shapes = tuple(_input_shape(p, v) for p, _ in programs for v in p.inputs)
+
+    def evaluate(args: Sequence[jax.Array], lengths: Sequence[jax.Array]):
+        b, h = config.batch, config.h_q
+        batch = jnp.arange(b, dtype=jnp.int32).reshape(b, 1, 1, 1)
+        head = jnp.arange(h, dtype=jnp.int32).reshape(1, h, 1, 1)
+        values = []
+        for p, closed in programs:
+            env = _evaluate_static(p, closed, batch, head, list(args) + list(lengths))
+            values += [_materialize(p, env, v, s) for v, s in zip(p.inputs, shapes[len(values):])]
+        return values
+    (pf, _), (pb, _) = programs
+    return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, evaluate)
+
+
+def _source(p: _Program, var):
+    """The var a chain of static broadcasts starts from, and where its dims land in
+    `var` (None: all of them, in order)."""
+    dims = None
+    while var in p.origin:
+        var, kept = p.origin[var]
+        dims = kept if dims is None else tuple(dims[d] for d in kept)
+    return var, dims
+
+
+def _input_shape(p: _Program, var) -> Tuple[int, int, int, int]:
+    """The 4-d [b|1, h|1, s_q|1, s_kv|1] shape a static input keeps."""
+    src, dims = _source(p, var)
+    shape = tuple(src.aval.shape)
+    if dims is not None:
+        full = [1] * len(var.aval.shape)
+        for size, d in zip(shape, dims):
+            full[d] = size
+        shape = tuple(full)
+    shape = (1,) * (4 - len(shape)) + shape
+    if len(shape) != 4:
+        raise Unsupported(f"a static score_mod value of shape {shape} does not broadcast over "
+                          f"[b, h, s_q, s_kv]")
+    return shape
+
+
+def _evaluate_static(p: _Program, closed, batch, head, rest):
+    """Every static value (XLA ops on the real batch / head indices and arguments)."""
+    invars = closed.jaxpr.invars
+    env = dict(zip(invars[1:3], (batch, head)))
+    env.update(zip(invars[5:], rest))
+    env.update(p.arrays)
+
+    def read(atom):
+        if isinstance(atom, Literal):
+            return atom.val
+        return p.const[atom] if atom in p.const else env[atom]
+    for eqn in p.static_eqns:  # (a broadcast to full size that no input reads: XLA drops it)
+        outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **eqn.params)
+        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+    return env
+
+
+def _materialize(p: _Program, env, var, shape):
+    src, _ = _source(p, var)
+    return jnp.asarray(env[src]).astype(jnp.float32).reshape(shape)
+
+
+# ---- the reference interpreter (tests) ------------------------------------------------
+_NP = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+       "max": np.maximum, "min": np.minimum, "pow": np.power, "mod": np.fmod,
+       "neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "tanh": np.tanh,
+       "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "sqrt": np.sqrt,
+       "rsqrt": lambda x: 1.0 / np.sqrt(x), "sin": np.sin, "cos": np.cos, "tan": np.tan,
+       "floor": np.floor, "ceil": np.ceil, "recip": lambda x: 1.0 / x, "id": lambda x: x,
+       "eq": np.equal, "ne": np.not_equal, "gt": np.greater, "ge": np.greater_equal,
+       "lt": np.less, "le": np.less_equal, "and": np.logical_and, "or": np.logical_or,
+       "not": np.logical_not, "sel": lambda c, a, b: np.where(c, a, b)}
+
+
+def interpret(program: str, score, q_idx, kv_idx, inputs, grad=None) -> np.ndarray:
+    """Runs a program with NumPy (float64): what the cuDNN graph computes, for tests."""
+    ops = dict(_NP, erf=np.vectorize(math.erf))
+    values: List[np.ndarray] = []
+    named = {"s": score, "q": q_idx, "k": kv_idx, "g": grad}
+
+    def operand(t: str):
+        if t in named:
+            return np.asarray(named[t], np.float64)
+        if t[0] == "c":
+            return np.float64(float(t[1:]))
+        return values[int(t[1:])] if t[0] == "v" else np.asarray(inputs[int(t[1:])], np.float64)
+    with np.errstate(all="ignore"):
+        for line in program.split("|") if program else []:
+            op, args = line.split(":")
+            values.append(ops[op](*(operand(t) for t in args.split(","))))
+    return np.asarray(values[-1] if values else score, np.float64)

@@ -1,0 +1,158 @@
+"""Any JAX score_mod / mask_mod lowered to cuDNN pointwise programs (CPU side):
+the NumPy interpreter of each program against the JAX function itself (forward and
+the bprop) on random scores, masks composed in, reasons for what cuDNN cannot
+express, cache keys, lowering for CUDA without a GPU, and mask_mod on the XLA
+backend against the float64 oracle. tests/gpu/test_flex_gpu.py runs the same
+catalog (tests/flex_cases.py) on cuDNN."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn_cases as ac
+import flex_cases as fc
+import fusedattn
+import oracle
+from fusedattn import dispatch, flex_lowering, score_mods
+from fusedattn.backends import cudnn
+from fusedattn.config import AttnConfig
+from fusedattn.validation import build_call
+
+B, S, H = 2, 24, 4
+
+
+def _config(name, **change):
+    mod, mask_mod, args, _ = fc.MODS[name]
+    arrays = args(H, B, S)
+    q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, change.pop("h_kv", H), 16), jnp.bfloat16)
+    config, _ = build_call(q, kv, kv, score_mod=mod, mask_mod=mask_mod, score_mod_args=arrays,
+                           **change)
+    return config, arrays
+
+
+VARIANTS = {"plain": {}, "causal": dict(mask="causal"), "window": dict(window=(6, 2)),
+            "bottom_right": dict(mask="causal_bottom_right"), "gqa": dict(h_kv=2)}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("name", fc.LOWERED)
+def test_program_interpreter_matches_the_jax_function(name, variant):
+    config, args = _config(name, **VARIANTS[variant])
+    low = flex_lowering.lower(config, config.score_mod)
+    inputs = low.evaluate(args, ())
+    assert [tuple(x.shape) for x in inputs] == list(low.input_shapes)
+    rng = np.random.default_rng(0)
+    score = rng.standard_normal((B, H, S, S)).astype(np.float32)
+    grad = rng.standard_normal((B, H, S, S)).astype(np.float32)
+    q_idx, kv_idx = np.arange(S).reshape(1, 1, S, 1), np.arange(S).reshape(1, 1, 1, S)
+    f = flex_lowering.masked_score_mod(config, config.score_mod, None)
+    batch, head = jnp.arange(B).reshape(B, 1, 1, 1), jnp.arange(H).reshape(1, H, 1, 1)
+    call = lambda s: f(s, batch, head, jnp.asarray(q_idx), jnp.asarray(kv_idx), *args)  # noqa: E731
+    want = np.asarray(call(jnp.asarray(score)), np.float64)
+    d_want = np.asarray(jax.grad(lambda s: jnp.sum(call(s) * grad))(jnp.asarray(score)))
+    got = fl_run(low.forward, score, q_idx, kv_idx, inputs)
+    d_got = fl_run(low.bprop, score, q_idx, kv_idx, inputs, grad)
+    finite = np.isfinite(want)
+    np.testing.assert_array_equal(np.isfinite(got), finite)  # the same pairs masked
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(d_got, d_want, rtol=1e-5, atol=1e-5)
+
+
+def fl_run(program, score, q_idx, kv_idx, inputs, grad=None):
+    return flex_lowering.interpret(program, score, q_idx, kv_idx,
+                                   [np.asarray(x) for x in inputs], grad)
+
+
+def test_padding_lengths_are_composed_as_static_inputs():
+    q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.bfloat16)
+    seq = fusedattn.SequenceDescriptor.from_lengths(jnp.array([S, 7]), jnp.array([5, S]))
+    config, inputs = build_call(q, q, q, mask="causal", sequence=seq,
+                                score_mod=fc.MODS["relative_position"][0])
+    low = flex_lowering.lower(config, config.score_mod)
+    lengths = (seq.q_lengths.astype(jnp.int32), seq.kv_lengths.astype(jnp.int32))
+    ins = [np.asarray(x) for x in low.evaluate((), lengths)]
+    assert all(s[1:] == (1, 1, 1) for s in low.input_shapes)  # per-batch lengths only
+    out = flex_lowering.interpret(low.forward, np.zeros((B, H, S, S)),
+                                  np.arange(S).reshape(1, 1, S, 1),
+                                  np.arange(S).reshape(1, 1, 1, S), ins)
+    vis, _, _ = oracle.visibility(B, S, S, mask="causal", q_lengths=np.array([S, 7]),
+                                  kv_lengths=np.array([5, S]))
+    np.testing.assert_array_equal(np.isfinite(out), np.broadcast_to(vis[:, None], out.shape))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, m in fc.MODS.items() if m[3]))
+def test_what_cudnn_cannot_express_is_named(name):
+    config, _ = _config(name)
+    reason = cudnn.config_reason(config)
+    assert reason is not None and fc.MODS[name][3] in reason, reason
+    with pytest.raises(flex_lowering.Unsupported, match=fc.MODS[name][3]):
+        flex_lowering.lower(config, config.score_mod)
+
+
+def test_equal_lambdas_share_a_key_and_different_ones_do_not():
+    make = lambda c: (lambda s, b, h, q, k: s + c * (q - k))  # noqa: E731
+    keys = [cudnn.graph_key(_config_with(make(c))) for c in (0.5, 0.5, 0.25)]
+    assert keys[0] == keys[1] and keys[0] != keys[2]
+    assert "flex=" in keys[0] and "mask=0" in keys[0]
+    tanh = cudnn.graph_key(_config_with(lambda s, b, h, q, k: jnp.tanh(s)))
+    sigmoid = cudnn.graph_key(_config_with(lambda s, b, h, q, k: jax.nn.sigmoid(s)))
+    assert tanh != sigmoid
+
+
+def _config_with(mod):
+    q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.bfloat16)
+    return build_call(q, q, q, mask="causal", score_mod=mod)[0]
+
+
+def test_flex_calls_lower_for_cuda_without_a_gpu(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
+    dispatch.clear_cache()
+    q = jnp.zeros((2, 128, 4, 64), jnp.bfloat16)
+    mod, _, args, _ = fc.MODS["alibi_lambda"]
+    slopes = args(4, 2, 128)
+
+    def loss(q, k, v, slopes):
+        return fusedattn.fused_attn(q, k, v, mask="causal", score_mod=mod,
+                                    score_mod_args=(slopes,)).astype(jnp.float32).sum()
+    with cudnn.assume_supported(workspace_bytes=4096):
+        plan = fusedattn.explain(q, q, q, mask="causal", score_mod=mod, score_mod_args=slopes)
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, q, q, *slopes).lower(
+            lowering_platforms=("cuda",)).as_text()
+    dispatch.clear_cache()
+    assert plan.chosen == "cudnn", str(plan)
+    assert "fusedattn_cudnn_fwd" in text and "fusedattn_cudnn_bwd" in text
+    assert "flex=sub:k,q" in text
+
+
+@pytest.mark.parametrize("name", ["prefix_lm", "window_plus_sink", "softcap_prefix_lm"])
+def test_mask_mod_on_the_xla_backend_matches_the_oracle(name):
+    mod, mask_mod, args, _ = fc.MODS[name]
+    case = ac.Case(b=B, s_q=S, s_kv=S, h_q=H, h_kv=H, dtype="float32", mask="causal",
+                   score_mod=score_mods.Masked(mod, mask_mod))
+    ac.check_case(case)
+
+
+def test_mask_mod_validation():
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        fusedattn.fused_attn(q, q, q, mask_mod=3)
+    with pytest.raises(ValueError, match="mask_mod must return booleans"):
+        fusedattn.fused_attn(q, q, q, mask_mod=lambda b, h, i, j: i - j)
+    out = fusedattn.fused_attn(q + 1.0, q, q + jnp.arange(8.0)[None, :, None, None],
+                               mask_mod=lambda b, h, i, j: j == 0)
+    np.testing.assert_allclose(np.asarray(out), 0.0)  # only key 0 (value 0) is kept
+
+
+def test_same_config_fields_for_masked_mods():
+    """mask_mod arrives as a score_mod (score_mods.Masked), equal when its parts are."""
+    f, g = (lambda b, h, i, j: j <= i), (lambda b, h, i, j: j <= i)
+    assert score_mods.Masked(None, f) == score_mods.Masked(None, f)
+    assert score_mods.Masked(None, f) != score_mods.Masked(None, g)
+    cfg = dataclasses.replace(AttnConfig(batch=1, s_q=8, s_kv=8, h_q=2, h_kv=2, d_qk=16, d_v=16,
+                                         dtype="bfloat16"), score_mod=score_mods.Masked(None, f))
+    assert "mask_mod" in cfg.short()
