@@ -60,7 +60,8 @@ def test_program_interpreter_matches_the_jax_function(name, variant):
     finite = np.isfinite(want)
     np.testing.assert_array_equal(np.isfinite(got), finite)  # the same pairs masked
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(d_got, d_want, rtol=1e-5, atol=1e-5)
+    # The bprop leaves masked pairs to cuDNN's P = 0 there: compare the visible ones.
+    np.testing.assert_allclose(d_got[finite], d_want[finite], rtol=1e-5, atol=1e-5)
 
 
 def fl_run(program, score, q_idx, kv_idx, inputs, grad=None):

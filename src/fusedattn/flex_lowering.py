@@ -14,9 +14,9 @@ depends on:
 * *dynamic* values (anything that depends on the score or an index) become
   instructions of the program (csrc/cuda/cudnn_flex.h has the grammar).
 
-The backward program (score_mod_bprop) is JAX's derivative of the same function
-with respect to the score, lowered the same way and multiplied by the incoming
-gradient ``g``. A primitive cuDNN cannot express on dynamic values (a gather, a
+The backward program (score_mod_bprop) is JAX's derivative of the score_mod with
+respect to the score, lowered the same way and multiplied by the incoming gradient
+``g``; the masks stay out of it (cuDNN's dS is already 0 wherever P is). A primitive cuDNN cannot express on dynamic values (a gather, a
 reduction, integer bit operations) raises `Unsupported` naming it.
 
 The program text is canonical (it is made from the jaxpr, not from the
@@ -36,6 +36,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from .config import AttnConfig
+from .score_mods import Masked
 
 _INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
            "custom_vjp_call_jaxpr", "remat", "checkpoint")  # calls whose body is inlined
@@ -47,7 +48,7 @@ _BINARY = {"add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "max": "m
 _LOGICAL = {"and": "and", "or": "or", "not": "not"}
 _ELEMENTWISE = set(_UNARY) | set(_BINARY) | set(_LOGICAL) | {
     "div", "select_n", "convert_element_type", "integer_pow", "square", "exp2", "log1p",
-    "expm1", "clamp", "sign"}
+    "expm1", "clamp", "sign", "one_minus_square"}
 _SHAPE_ONLY = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p")
 
 
@@ -302,6 +303,9 @@ class _Program:
         if name == "square":
             x = a(0)
             return self.emit("mul", x, x)
+        if name == "one_minus_square":  # tanh's derivative in recent JAX
+            x = a(0)
+            return self.emit("sub", "c1.0", self.emit("mul", x, x))
         if name == "exp2":
             return self.emit("exp", self.emit("mul", a(0), _fmt(math.log(2.0))))
         if name == "log1p":
@@ -350,9 +354,17 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
     `Unsupported` with the reason)."""
     f = masked_score_mod(config, score_mod, mask_mod)
     specs = _specs(config)
+    # The bprop needs the score_mod's derivative only where a pair is visible: cuDNN
+    # multiplies it into dS = P * (dP - D), and P is 0 wherever a mask removed the
+    # pair. So the masks stay out of the bprop (cuDNN's engines take a plain one).
+    unmasked = score_mod.score_mod if isinstance(score_mod, Masked) else score_mod
+    n_args = len(config.score_mod_arg_specs)
 
-    def derivative(score, *rest):
-        return jax.grad(lambda s: jnp.sum(f(s, *rest)))(score)
+    def derivative(score, batch, head, q_idx, kv_idx, *rest):
+        if unmasked is None:
+            return jnp.ones_like(score)
+        mod = lambda s: unmasked(s, batch, head, q_idx, kv_idx, *rest[:n_args])  # noqa: E731
+        return jax.grad(lambda s: jnp.sum(mod(s)))(score)
     try:
         fwd = jax.make_jaxpr(f)(*specs)
         bwd = jax.make_jaxpr(derivative)(*specs)
