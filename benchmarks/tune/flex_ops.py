@@ -7,8 +7,6 @@ cuDNN's refusal. Informs flex_lowering's choices; needs a GPU.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from fusedattn.backends import cudnn, native
 from fusedattn.config import AttnConfig
 
