@@ -56,7 +56,7 @@ def test_program_interpreter_matches_the_jax_function(name, variant):
     want = np.asarray(call(jnp.asarray(score)), np.float64)
     d_want = np.asarray(jax.grad(lambda s: jnp.sum(call(s) * grad))(jnp.asarray(score)))
     got = fl_run(low.forward, score, q_idx, kv_idx, inputs)
-    d_got = fl_run(low.bprop, score, q_idx, kv_idx, inputs, grad)
+    d_got = fl_run(low.bprop, score, q_idx, kv_idx, inputs, grad, low.forward)
     finite = np.isfinite(want)
     np.testing.assert_array_equal(np.isfinite(got), finite)  # the same pairs masked
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
@@ -64,9 +64,9 @@ def test_program_interpreter_matches_the_jax_function(name, variant):
     np.testing.assert_allclose(d_got[finite], d_want[finite], rtol=1e-5, atol=1e-5)
 
 
-def fl_run(program, score, q_idx, kv_idx, inputs, grad=None):
+def fl_run(program, score, q_idx, kv_idx, inputs, grad=None, forward=""):
     return flex_lowering.interpret(program, score, q_idx, kv_idx,
-                                   [np.asarray(x) for x in inputs], grad)
+                                   [np.asarray(x) for x in inputs], grad, forward)
 
 
 def test_padding_lengths_are_composed_as_static_inputs():

@@ -16,13 +16,22 @@ PROBES = {  # name -> (forward program, bprop program)
     "identity": ("id:s", "id:g"),
     "relpos": ("sub:q,k|add:s,v0", "id:g"),
     "causal-sel": ("le:k,q|sel:v0,s,c-inf", "id:g"),
-    "causal-sel-bprop-sel": ("le:k,q|sel:v0,s,c-inf", "le:k,q|sel:v0,g,c0.0"),
-    "bprop-uses-score": ("tanh:s", "tanh:s|mul:v0,v0|sub:c1.0,v1|mul:g,v2"),
-    "floor": ("div:q,c64.0|floor:v0|div:k,c64.0|floor:v2|eq:v1,v3|sel:v4,s,c-inf", "id:g"),
-    "ceil": ("div:q,c64.0|ceil:v0|add:s,v1", "id:g"),
-    "mod": ("mod:q,c3.0|eq:v0,c0.0|sel:v1,s,c-inf", "id:g"),
-    "and-or": ("le:k,q|lt:k,c8.0|or:v0,v1|sel:v2,s,c-inf", "id:g"),
-    "sel-float-branches": ("lt:s,c0.0|sel:v0,c1.0,c2.0|mul:s,v1", "lt:s,c0.0|sel:v0,c1.0,c2.0|mul:g,v1"),
+    "lt-idx": ("lt:k,q|sel:v0,s,c-inf", "id:g"),
+    "eq-idx": ("eq:k,q|sel:v0,s,c-inf", "id:g"),
+    "ne-idx": ("ne:k,q|sel:v0,s,c-inf", "id:g"),
+    "cmp-score": ("lt:s,c0.0|sel:v0,s,c-inf", "id:g"),
+    "nested-sel (and)": ("le:k,q|sel:v0,s,c-inf|ge:k,c4.0|sel:v2,v1,c-inf", "id:g"),
+    "max-of-sels (or)": ("le:k,q|sel:v0,s,c-inf|lt:k,c8.0|sel:v2,s,c-inf|max:v1,v3", "id:g"),
+    "logical-and": ("le:k,q|ge:k,c4.0|and:v0,v1|sel:v2,s,c-inf", "id:g"),
+    "floor-only": ("div:q,c64.0|floor:v0|add:s,v1", "id:g"),
+    "ceil-only": ("div:q,c64.0|ceil:v0|add:s,v1", "id:g"),
+    "mod-only": ("mod:q,c3.0|add:s,v0", "id:g"),
+    "sel-consts": ("le:k,q|sel:v0,c1.0,c0.0|add:s,v1", "id:g"),
+    "per-head-input": ("add:s,a0", "id:g", "1.4.1.1"),
+    "per-batch-input": ("add:s,a0", "id:g", "2.1.1.1"),
+    "bprop-reads-score": ("tanh:s", "tanh:s|mul:v0,v0|sub:c1.0,v1|mul:g,v2"),
+    "bprop-reads-forward": ("div:s,c30.0|tanh:v0|mul:c30.0,v1", "mul:w1,w1|sub:c1.0,v0|mul:g,v1"),
+    "bprop-reads-fwd-id": ("id:s|mul:v0,c2.0", "mul:g,c2.0|mul:v0,w0"),
     "sigmoid": ("sigmoid:s|mul:s,v0", "id:g"),
     "log-abs": ("sub:q,k|abs:v0|add:v1,c1.0|log:v2|sub:s,v3", "id:g"),
 }
@@ -30,8 +39,9 @@ PROBES = {  # name -> (forward program, bprop program)
 
 def main():
     module = native.module("cuda")
-    for name, (fwd, bwd) in PROBES.items():
-        key = cudnn.graph_key(BASE).replace("flex=;flexb=;", f"flex={fwd};flexb={bwd};")
+    for name, (fwd, bwd, *inputs) in PROBES.items():
+        key = cudnn.graph_key(BASE).replace("flex=;flexb=;flexin=",
+                                            f"flex={fwd};flexb={bwd};flexin={''.join(inputs)}")
         r = module.cudnn_check_support(key)
         msg = "ok" if r["ok"] else r["message"].splitlines()[0][:160]
         print(f"{name:24s} {msg}", flush=True)

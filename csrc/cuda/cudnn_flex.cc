@@ -62,6 +62,7 @@ FlexOperand parse_operand(std::string_view t, size_t n_values) {
     case 'k': if (t.size() != 1) break; return {FlexOperand::Kind::kKvIdx};
     case 'g': if (t.size() != 1) break; return {FlexOperand::Kind::kGrad};
     case 'a': o.kind = FlexOperand::Kind::kInput; o.index = number(t.substr(1)); return o;
+    case 'w': o.kind = FlexOperand::Kind::kForward; o.index = number(t.substr(1)); return o;
     case 'v':
       o.kind = FlexOperand::Kind::kValue;
       o.index = number(t.substr(1));
@@ -134,13 +135,15 @@ struct FlexMod::State {
   FlexProgram forward, backward;
   std::vector<TensorPtr> inputs;  // on the main graph, captured by the callbacks
   TensorPtr score;                // the backward graph's recomputed score, for the bprop
+  std::vector<TensorPtr> forward_values;  // the forward program's values (wN)
 };
 
 namespace {
 
+// Emits `program`; its values are left in `values` (the forward's, for the bprop's wN).
 TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Graph>& g,
-               const std::vector<TensorPtr>& inputs, const TensorPtr& score, const TensorPtr& grad) {
-  std::vector<TensorPtr> values;
+               const std::vector<TensorPtr>& inputs, const TensorPtr& score, const TensorPtr& grad,
+               const std::vector<TensorPtr>& forward, std::vector<TensorPtr>& values) {
   TensorPtr q_idx, kv_idx;
   auto index = [&](TensorPtr& slot, int axis) {
     if (!slot) {
@@ -164,6 +167,11 @@ TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Grap
           throw std::invalid_argument("flex program: input a" + std::to_string(o.index) + " missing");
         return inputs[o.index];
       case FlexOperand::Kind::kValue: return values[o.index];
+      case FlexOperand::Kind::kForward:
+        if (static_cast<size_t>(o.index) >= forward.size())
+          throw std::invalid_argument("flex program: forward value w" + std::to_string(o.index) +
+                                      " missing (only a bprop reads the forward's values)");
+        return forward[o.index];
       default: return std::make_shared<fe::graph::Tensor_attributes>(o.value);
     }
   };
@@ -204,7 +212,8 @@ FlexMod::FlexMod(fe::graph::Graph& g, const AttnParams& p) : state_(std::make_sh
 ScoreModifier FlexMod::forward() const {
   return [state = state_](std::shared_ptr<fe::graph::Graph> g, TensorPtr score) {
     state->score = score;
-    return emit(state->forward, g, state->inputs, score, nullptr);
+    state->forward_values.clear();
+    return emit(state->forward, g, state->inputs, score, nullptr, {}, state->forward_values);
   };
 }
 
@@ -212,7 +221,9 @@ ScoreModifier FlexMod::backward() const {
   return [state = state_](std::shared_ptr<fe::graph::Graph> g, TensorPtr grad) {
     if (!state->score)
       throw std::runtime_error("flex bprop called before the forward score_mod (recompute)");
-    return emit(state->backward, g, state->inputs, state->score, grad);
+    std::vector<TensorPtr> values;
+    return emit(state->backward, g, state->inputs, state->score, grad, state->forward_values,
+                values);
   };
 }
 

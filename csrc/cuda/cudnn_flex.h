@@ -7,9 +7,11 @@
 // cuDNN's index generation along axes 2 / 3), g (the incoming gradient, bprop
 // only), aN (static input N: a float tensor broadcast over [b, h, s_q, s_kv],
 // evaluated by XLA from batch / head indices and score_mod_args), vN (the result
-// of instruction N), c<float> (a constant). The last instruction is the result.
-// The backward graph runs the forward program first (cuDNN recomputes the
-// scores), so the bprop program reads the same score.
+// of instruction N), wN (the forward program's value N, bprop only), c<float> (a
+// constant). The last instruction is the result. The backward graph runs the
+// forward program first (cuDNN recomputes the scores); the bprop reads its values
+// through wN (cuDNN's engines take a bprop built on the forward's values, as the
+// frontend's own soft-capping does, not one that recomputes from the score).
 #pragma once
 
 #include <functional>
@@ -26,7 +28,7 @@ namespace fusedattn::cudnn_attn {
 using ScoreModifier = std::function<TensorPtr(std::shared_ptr<fe::graph::Graph>, TensorPtr)>;
 
 struct FlexOperand {
-  enum class Kind { kScore, kQIdx, kKvIdx, kGrad, kInput, kValue, kConst } kind;
+  enum class Kind { kScore, kQIdx, kKvIdx, kGrad, kInput, kValue, kForward, kConst } kind;
   int64_t index = 0;  // input or value number
   float value = 0.f;  // constant
 };

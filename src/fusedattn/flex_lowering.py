@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -46,6 +47,8 @@ _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh"
 _BINARY = {"add": "add", "add_any": "add", "sub": "sub", "mul": "mul", "max": "max", "min": "min", "pow": "pow",
            "rem": "mod", "eq": "eq", "ne": "ne", "gt": "gt", "ge": "ge", "lt": "lt", "le": "le"}
 _LOGICAL = {"and": "and", "or": "or", "not": "not"}
+_COMPARE = ("eq", "ne", "gt", "ge", "lt", "le")
+_NEGATED = {"eq": "ne", "ne": "eq", "gt": "le", "ge": "lt", "lt": "ge", "le": "gt"}
 _ELEMENTWISE = set(_UNARY) | set(_BINARY) | set(_LOGICAL) | {
     "div", "select_n", "convert_element_type", "integer_pow", "square", "exp2", "log1p",
     "expm1", "clamp", "sign", "one_minus_square"}
@@ -177,8 +180,12 @@ class _Program:
     """Lowers one flattened jaxpr: dynamic equations to instructions, the static values
     they read to inputs (evaluated by XLA), scalar constants folded into the text."""
 
-    def __init__(self, first_input: int, consts: Dict[object, np.ndarray]):
+    def __init__(self, first_input: int, consts: Dict[object, np.ndarray],
+                 forward: Optional[Dict[str, str]] = None):
         self.lines: List[str] = []
+        # bprop only: forward instruction text -> "wN", to read its values, not recompute
+        self.forward = forward or {}
+        self.bool_expr: Dict[object, Tuple[str, tuple]] = {}  # and / or / not / compare
         self.inputs: List[object] = []  # vars XLA evaluates and the graph takes
         self.first_input = first_input
         self.value: Dict[object, str] = {}     # dynamic var -> operand
@@ -195,7 +202,10 @@ class _Program:
             return args[0]
         if op in ("add", "mul") and args[0] == ("c0.0" if op == "add" else "c1.0"):
             return args[1]
-        self.lines.append(f"{op}:{','.join(args)}")
+        text = f"{op}:{','.join(args)}"
+        if text in self.forward:
+            return self.forward[text]
+        self.lines.append(text)
         return f"v{len(self.lines) - 1}"
 
     def operand(self, atom) -> str:
@@ -223,6 +233,8 @@ class _Program:
                 var = eqn.outvars[0]
                 self.is_bool[var] = var.aval.dtype == jnp.bool_
                 self.value[var] = self._dynamic(eqn, eqn.primitive.name)
+                if eqn.primitive.name in _LOGICAL or eqn.primitive.name in _COMPARE:
+                    self.bool_expr[var] = (eqn.primitive.name, tuple(eqn.invars))
             else:
                 self._static(eqn)
         return self.operand(out)
@@ -289,6 +301,8 @@ class _Program:
         if name == "div":
             q = self.emit("div", a(0), a(1))
             return self._trunc(q) if integer else q
+        if name == "select_n" and len(ins) == 3 and self._is_neg_inf(ins[1]):
+            return self._masked(ins[0], a(2))  # where(keep, x, -inf): a mask
         if name == "select_n":
             if len(ins) != 3 or not self._is_bool(ins[0]):
                 raise Unsupported("score_mod selects among more than two cases (select_n with "
@@ -324,6 +338,25 @@ class _Program:
                               f"indexing by batch / head is evaluated (by XLA)")
         raise Unsupported(f"score_mod uses {name!r} on a value that depends on the score or on "
                           f"q_idx / kv_idx; cuDNN's graph has no such pointwise operation")
+
+    def _is_neg_inf(self, atom) -> bool:
+        value = atom.val if isinstance(atom, Literal) else self.const.get(atom)
+        return value is not None and np.ndim(value) == 0 and float(value) == -math.inf
+
+    def _masked(self, keep, x: str) -> str:
+        """x where `keep`, -inf elsewhere, as selects on x: a conjunction nests them, a
+        disjunction takes their max (cuDNN's engines take selects of the score against
+        -inf, not logical operations on predicates)."""
+        op, args = self.bool_expr.get(keep, (None, ()))
+        if op == "and":
+            return self._masked(args[1], self._masked(args[0], x))
+        if op == "or":
+            return self.emit("max", self._masked(args[0], x), self._masked(args[1], x))
+        if op == "not" and self.bool_expr.get(args[0], ("",))[0] in _NEGATED:
+            inner, (a, b) = self.bool_expr[args[0]]
+            return self.emit("sel", self.emit(_NEGATED[inner], self.operand(a),
+                                              self.operand(b)), x, "c-inf")
+        return self.emit("sel", self.operand(keep), x, "c-inf")
 
     def _is_bool(self, atom) -> bool:
         if isinstance(atom, Literal):
@@ -372,22 +405,26 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         raise Unsupported(f"score_mod / mask_mod did not trace: {type(e).__name__}: {e}") from e
     programs = []
     first = 0
+    forward_texts: Dict[str, str] = {}
     for closed, is_bprop in ((fwd, False), (bwd, True)):
         consts = {v: np.asarray(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
         rename: Dict[object, object] = {}
         eqns = _flatten(closed.jaxpr, rename, consts)
         out = closed.jaxpr.outvars[0]
         out = out if isinstance(out, Literal) else rename.get(out, out)
-        p = _Program(first, consts)
+        p = _Program(first, consts, forward_texts if is_bprop else None)
         invars = closed.jaxpr.invars
         result = p.lower(_live(eqns, [out]), out, dict(zip((invars[0], invars[3], invars[4]),
                                                            ("s", "q", "k"))))
         if is_bprop:
             result = p.emit("mul", "g", result)
-        if result != f"v{len(p.lines) - 1}":  # the result must be the last instruction
-            p.lines.append(f"id:{result}")
+        p.lines = _prune(p.lines, result)
+        if not is_bprop:
+            forward_texts = {re.sub(r"\bv(\d+)", r"w\1", line): f"w{i}"
+                             for i, line in enumerate(p.lines)}
         programs.append((p, closed))
         first += len(p.inputs)
+    _read_score_through_forward(programs[0][0], programs[1][0])
     shapes = tuple(_input_shape(p, v) for p, _ in programs for v in p.inputs)
 
     def evaluate(args: Sequence[jax.Array], lengths: Sequence[jax.Array]):
@@ -401,6 +438,41 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         return values
     (pf, _), (pb, _) = programs
     return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, evaluate)
+
+
+def _prune(lines: List[str], result: str) -> List[str]:
+    """The instructions `result` needs, renumbered, ending with it (an `id` when the
+    result is not an instruction of its own)."""
+    parsed = [(line.split(":")[0], line.split(":")[1].split(",")) for line in lines]
+    needed, stack = set(), [result]
+    while stack:
+        t = stack.pop()
+        if t.startswith("v") and int(t[1:]) not in needed:
+            needed.add(int(t[1:]))
+            stack.extend(parsed[int(t[1:])][1])
+    order = sorted(needed)
+    new_index = {f"v{old}": f"v{i}" for i, old in enumerate(order)}
+    out = [f"{parsed[i][0]}:{','.join(new_index.get(a, a) for a in parsed[i][1])}" for i in order]
+    result = new_index.get(result, result)
+    if result != f"v{len(out) - 1}":
+        out.append(f"id:{result}")
+    return out
+
+
+def _read_score_through_forward(forward: _Program, bprop: _Program) -> None:
+    """A bprop that reads the score itself reads it through an `id` the forward makes
+    first (cuDNN's engines refuse a bprop that reads the raw score)."""
+    if not any("s" in line.split(":")[1].split(",") for line in bprop.lines):
+        return
+
+    def shift(token, prefix):
+        return f"{prefix}{int(token[1:]) + 1}" if re.fullmatch(prefix + r"\d+", token) else token
+    forward.lines = ["id:s"] + [
+        f"{op}:{','.join(shift(a, 'v') for a in args.split(','))}"
+        for op, args in (line.split(":") for line in forward.lines)]
+    bprop.lines = [
+        f"{op}:{','.join('w0' if a == 's' else shift(a, 'w') for a in args.split(','))}"
+        for op, args in (line.split(":") for line in bprop.lines)]
 
 
 def _source(p: _Program, var):
@@ -463,8 +535,15 @@ _NP = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
        "not": np.logical_not, "sel": lambda c, a, b: np.where(c, a, b)}
 
 
-def interpret(program: str, score, q_idx, kv_idx, inputs, grad=None) -> np.ndarray:
-    """Runs a program with NumPy (float64): what the cuDNN graph computes, for tests."""
+def interpret(program: str, score, q_idx, kv_idx, inputs, grad=None, forward: str = "") -> np.ndarray:
+    """Runs a program with NumPy (float64): what the cuDNN graph computes, for tests.
+    A bprop's `forward` program is run first for its values (wN)."""
+    fwd_values = _run_values(forward, score, q_idx, kv_idx, inputs, None, []) if forward else []
+    values = _run_values(program, score, q_idx, kv_idx, inputs, grad, fwd_values)
+    return np.asarray(values[-1] if values else score, np.float64)
+
+
+def _run_values(program, score, q_idx, kv_idx, inputs, grad, fwd_values):
     ops = dict(_NP, erf=np.vectorize(math.erf))
     values: List[np.ndarray] = []
     named = {"s": score, "q": q_idx, "k": kv_idx, "g": grad}
@@ -474,9 +553,11 @@ def interpret(program: str, score, q_idx, kv_idx, inputs, grad=None) -> np.ndarr
             return np.asarray(named[t], np.float64)
         if t[0] == "c":
             return np.float64(float(t[1:]))
+        if t[0] == "w":
+            return fwd_values[int(t[1:])]
         return values[int(t[1:])] if t[0] == "v" else np.asarray(inputs[int(t[1:])], np.float64)
     with np.errstate(all="ignore"):
         for line in program.split("|") if program else []:
             op, args = line.split(":")
             values.append(ops[op](*(operand(t) for t in args.split(","))))
-    return np.asarray(values[-1] if values else score, np.float64)
+    return values
