@@ -21,8 +21,8 @@ def _head_scale(h, b, s):
     return (jnp.linspace(0.5, 1.5, h, dtype=jnp.float32),)
 
 
-def _batch_shift(h, b, s):
-    return (jnp.linspace(-0.5, 0.5, b, dtype=jnp.float32),)
+def _batch_scale(h, b, s):
+    return (jnp.linspace(0.5, 1.5, b, dtype=jnp.float32),)
 
 
 def _buckets(h, b, s):
@@ -54,7 +54,8 @@ MODS = {
                      None, _none, None),
     "quadratic_distance": (lambda s, b, h, q, k: s - 1e-3 * (q - k) ** 2, None, _none, None),
     "clip": (lambda s, b, h, q, k: jnp.clip(s, -2.0, 2.0), None, _none, None),
-    "per_batch_shift": (lambda s, b, h, q, k, sh: s + sh[b], None, _batch_shift, None),
+    # (a per-batch *shift* has a zero gradient: softmax ignores it; a scale does not)
+    "per_batch_scale": (lambda s, b, h, q, k, sc: s * sc[b], None, _batch_scale, None),
     "t5_bucket_table": (_t5_bucket, None, _buckets, "gather"),
     # mask_mods
     "causal_mask_mod": (None, lambda b, h, q, k: k <= q, _none, None),

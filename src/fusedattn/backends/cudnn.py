@@ -266,6 +266,10 @@ class _CudnnBackend:
         if why is None:
             result = probe(config)
             why = None if result.ok else f"cuDNN: {result.message}"
+            if why is not None and cudnn_flex.is_flex(config):
+                why = (f"cuDNN: the score_mod lowered to pointwise operations has no engine on "
+                       f"this GPU / cuDNN (tests/gpu/test_flex_gpu.py lists what runs): "
+                       f"{result.message}")
         return why
 
     def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
