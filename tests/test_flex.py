@@ -17,7 +17,7 @@ import attn_cases as ac
 import flex_cases as fc
 import fusedattn
 import oracle
-from fusedattn import dispatch, flex_lowering, score_mods
+from fusedattn import dispatch, flex_interpreter, flex_lowering, score_mods
 from fusedattn.backends import cudnn
 from fusedattn.config import AttnConfig
 from fusedattn.validation import build_call
@@ -65,7 +65,7 @@ def test_program_interpreter_matches_the_jax_function(name, variant):
 
 
 def fl_run(program, score, q_idx, kv_idx, inputs, grad=None, forward=""):
-    return flex_lowering.interpret(program, score, q_idx, kv_idx,
+    return flex_interpreter.interpret(program, score, q_idx, kv_idx,
                                    [np.asarray(x) for x in inputs], grad, forward)
 
 
@@ -78,7 +78,7 @@ def test_padding_lengths_are_composed_as_static_inputs():
     lengths = (seq.q_lengths.astype(jnp.int32), seq.kv_lengths.astype(jnp.int32))
     ins = [np.asarray(x) for x in low.evaluate((), lengths)]
     assert all(s[1:] == (1, 1, 1) for s in low.input_shapes)  # per-batch lengths only
-    out = flex_lowering.interpret(low.forward, np.zeros((B, H, S, S)),
+    out = flex_interpreter.interpret(low.forward, np.zeros((B, H, S, S)),
                                   np.arange(S).reshape(1, 1, S, 1),
                                   np.arange(S).reshape(1, 1, 1, S), ins)
     vis, _, _ = oracle.visibility(B, S, S, mask="causal", q_lengths=np.array([S, 7]),
