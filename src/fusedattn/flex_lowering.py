@@ -16,8 +16,13 @@ depends on:
 
 The backward program (score_mod_bprop) is JAX's derivative of the score_mod with
 respect to the score, lowered the same way and multiplied by the incoming gradient
-``g``; the masks stay out of it (cuDNN's dS is already 0 wherever P is). A primitive cuDNN cannot express on dynamic values (a gather, a
-reduction, integer bit operations) raises `Unsupported` naming it.
+``g``; the masks stay out of it (cuDNN's dS is already 0 wherever P is). It reads
+the forward's values (``wN``) rather than recomputing them. A primitive cuDNN cannot
+express on dynamic values (a gather, a reduction, integer bit operations) raises
+`Unsupported` naming it; `flex_interpreter` runs programs with NumPy for tests.
+
+What compiles is not always what cuDNN's engines take: a graph they refuse is
+refused at the support probe with cuDNN's message, and the call falls back.
 
 The program text is canonical (it is made from the jaxpr, not from the
 function's identity), so it is the cache key's part for the score_mod:
@@ -33,7 +38,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.extend.core import Literal
 
 from .config import AttnConfig
