@@ -157,3 +157,31 @@ def test_same_config_fields_for_masked_mods():
     cfg = dataclasses.replace(AttnConfig(batch=1, s_q=8, s_kv=8, h_q=2, h_kv=2, d_qk=16, d_v=16,
                                          dtype="bfloat16"), score_mod=score_mods.Masked(None, f))
     assert "mask_mod" in cfg.short()
+
+
+def test_per_head_score_mods_under_a_split_are_refused_not_misread(monkeypatch):
+    """Each device would read per-head arguments with its local head numbers: a
+    partitioned native call whose backend gives a `split_reason` raises it. The cuDNN
+    backend's reason runs around the XLA kernels here (a CUDA call cannot compile on
+    this host)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fusedattn.backends import native_call, xla
+    per_head, _ = _config("per_head_scale")
+    assert "not split over batch / heads yet" in cudnn.split_reason(per_head)
+    assert cudnn.split_reason(_config("relative_position", mask="causal")[0]) is None
+    monkeypatch.setattr(xla, "split_reason", cudnn.split_reason, raising=False)
+    mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    q = jax.device_put(jnp.ones((2, 16, 4, 16), jnp.float32),
+                       NamedSharding(mesh, P(None, None, "tp")))
+    mod, _, args, _ = fc.MODS["per_head_scale"]
+
+    def f(q, *args):
+        config, inputs = build_call(q, q, q, score_mod=mod, score_mod_args=args)
+        return native_call.attention("xla", config, inputs)[0]
+    with pytest.raises(Exception, match="not split over batch / heads yet"):
+        jax.jit(f)(q, *args(4, 2, 16))
+    rel = fc.MODS["relative_position"][0]
+    out = jax.jit(lambda q: native_call.attention("xla", *build_call(q, q, q, score_mod=rel))[0])(q)
+    assert out.shape == q.shape  # no reason: it splits

@@ -121,6 +121,11 @@ def _infer(op, mesh, arg_shapes, result_shape):
 def _partition(op, mesh, arg_shapes, result_shape):
     split = _split(op, mesh, arg_shapes)
     shape = dict(mesh.shape)
+    why = getattr(op.kernels, "split_reason", lambda config: None)(op.config)
+    if why is not None and not split.trivial:  # never compute with the wrong rows
+        raise ValueError(f"{why} (batch over {split.batch or None}, heads over "
+                         f"{split.heads or None}): run it unsharded, or per device under "
+                         f"shard_map")
     local = P.local_config(op.config, split, shape)
 
     def per_device(*flat):
