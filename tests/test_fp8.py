@@ -66,26 +66,7 @@ def test_bounded_scales_never_saturate():
 
 def test_one_argument_mode_trains_like_bf16():
     """A toy regression: a few SGD steps through precision='fp8' lower the loss as BF16 does."""
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.standard_normal((2, 32, 16)), jnp.bfloat16)
-    target = jnp.asarray(rng.standard_normal((2, 32, 2, 8)), jnp.float32)
-    w0 = jnp.asarray(rng.standard_normal((3, 16, 16)) * 0.3, jnp.float32)
-
-    def loss(w, precision):
-        q, k, v = (jnp.einsum("bsc,cf->bsf", x, wi.astype(jnp.bfloat16)).reshape(2, 32, 2, 8)
-                   for wi in w)
-        out = fusedattn.fused_attn(q, k, v, mask="causal", precision=precision)
-        return jnp.mean((out.astype(jnp.float32) - target) ** 2)
-
-    def train(precision):
-        w, losses = w0, []
-        step = jax.jit(jax.value_and_grad(lambda w: loss(w, precision)))
-        for _ in range(8):
-            value, g = step(w)
-            losses.append(float(value))
-            w = w - 2.0 * g
-        return losses
-    bf16, f8 = train(None), train("fp8")
+    bf16, f8 = fc.toy_training(seed=3, b=2, s=32, h=2, d=8, width=16, init=0.3, lr=2.0, steps=8)
     assert f8[-1] < 0.9 * f8[0]
     assert abs(f8[-1] - bf16[-1]) < 0.1 * bf16[0]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import fp8_cases as fc
@@ -77,27 +76,8 @@ def test_head_dims_cudnn_refuses_on_hopper_are_explained(d):
 
 
 def test_one_argument_mode_trains_like_bf16_on_cudnn():
-    rng = np.random.default_rng(5)
-    b, s, h, d = 2, 256, 4, 128
-    x = jnp.asarray(rng.standard_normal((b, s, 64)), jnp.bfloat16)
-    target = jnp.asarray(rng.standard_normal((b, s, h, d)), jnp.float32)
-    w0 = jnp.asarray(rng.standard_normal((3, 64, h * d)) * 0.1, jnp.float32)
-
-    def loss(w, precision):
-        q, k, v = (jnp.einsum("bsc,cf->bsf", x, wi.astype(jnp.bfloat16)).reshape(b, s, h, d)
-                   for wi in w)
-        out = fusedattn.fused_attn(q, k, v, mask="causal", precision=precision)
-        return jnp.mean((out.astype(jnp.float32) - target) ** 2)
-
-    def train(precision):
-        w, losses = w0, []
-        step = jax.jit(jax.value_and_grad(lambda w: loss(w, precision)))
-        for _ in range(10):
-            value, g = step(w)
-            losses.append(float(value))
-            w = w - 20.0 * g
-        return losses
-    bf16, f8 = train(None), train("fp8")
+    bf16, f8 = fc.toy_training(seed=5, b=2, s=256, h=4, d=128, width=64, init=0.1, lr=20.0,
+                               steps=10)
     print("bf16", bf16, "\nfp8", f8)
     assert f8[-1] < 0.99 * f8[0]
     assert abs((bf16[0] - bf16[-1]) - (f8[0] - f8[-1])) < 0.2 * (bf16[0] - bf16[-1])
