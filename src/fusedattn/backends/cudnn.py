@@ -299,12 +299,11 @@ def static_call(config: AttnConfig) -> _Static:
     _register()
     if config.is_fp8:
         targets = (TARGET_FP8_FWD, TARGET_FP8_FWD, TARGET_FP8_BWD)
-        return _Static(config, graph_key(config), found.workspace, targets)
-    copies = host_copies(config, found)
-    targets = tuple(
-        (TARGET_BWD_NOCMDBUF if copy else TARGET_BWD) if graph == "backward"
-        else (TARGET_FWD_NOCMDBUF if copy else TARGET_FWD)
-        for graph, copy in zip(GRAPHS, copies))
+    else:
+        targets = tuple(
+            (TARGET_BWD_NOCMDBUF if copy else TARGET_BWD) if graph == "backward"
+            else (TARGET_FWD_NOCMDBUF if copy else TARGET_FWD)
+            for graph, copy in zip(GRAPHS, host_copies(config, found)))
     return _Static(config, graph_key(config), found.workspace, targets)
 
 
