@@ -16,14 +16,13 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (RESULTS_DIR, device_meta, device_slug, measure_ceilings, print_table,  # noqa: E402
-                    time_interleaved, warmed, write_results)
+                    run_main, time_interleaved, warmed, write_results)
 
 import fusedattn  # noqa: E402
 from fusedattn.backends import cudnn  # noqa: E402
@@ -218,8 +217,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    run_main(main)

@@ -16,14 +16,14 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_attention import _fwd_bwd, _inputs  # noqa: E402
-from common import device_meta, device_slug, print_table, time_interleaved, warmed, write_results  # noqa: E402
+from common import (device_meta, device_slug, print_table, run_main, time_interleaved,  # noqa: E402
+                    warmed, write_results)
 
 import fusedattn  # noqa: E402
 from fusedattn import score_mods  # noqa: E402
@@ -155,8 +155,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    run_main(main)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
-from common import (device_meta, device_slug, print_table, time_interleaved,  # noqa: E402
+from common import (device_meta, device_slug, print_table, run_main, time_interleaved,  # noqa: E402
                     warmed, write_results)
 from sharding_cases import collectives  # noqa: E402
 
@@ -195,8 +194,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception:
-        traceback.print_exc()
-        sys.exit(1)
+    run_main(main)

@@ -13,7 +13,9 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
+import traceback
 from typing import Callable, Dict, List, Tuple
 
 import jax
@@ -133,3 +135,13 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return "" if v is None else str(v)
+
+
+def run_main(main: Callable[[], None]) -> None:
+    """Runs a benchmark's main: a failure prints its traceback and exits 1 (ci/cuda.sh
+    logs it and goes on with the next benchmark)."""
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
