@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import _fa3, _fwd_bwd, _inputs  # noqa: E402
+from bench_attention import _fwd_bwd, _inputs  # noqa: E402
+from bench_attention import implementations as bf16_implementations  # noqa: E402
 from common import (device_meta, device_slug, print_table, run_main, time_interleaved,  # noqa: E402
                     warmed, write_results)
 
@@ -44,18 +45,13 @@ def _explicit(causal: bool, scales):
 
 
 def implementations(causal: bool):
+    """The BF16 providers of bench_attention (its XLA row aside: too slow to matter here)
+    and fused_attn(precision="fp8")."""
     mask = "causal" if causal else "none"
-    impls = {
-        "fusedattn-fp8": lambda q, k, v: fusedattn.fused_attn(q, k, v, mask=mask,
-                                                              precision="fp8", backend="cudnn"),
-        "fusedattn-cudnn": lambda q, k, v: fusedattn.fused_attn(q, k, v, mask=mask,
-                                                                backend="cudnn"),
-        "jax-cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, implementation="cudnn"),
-    }
-    fa3 = _fa3()
-    if fa3 is not None:
-        impls["flash-attn3"] = lambda q, k, v: fa3(q, k, v, is_causal=causal)
+    impls = {"fusedattn-fp8": lambda q, k, v: fusedattn.fused_attn(
+        q, k, v, mask=mask, precision="fp8", backend="cudnn")}
+    impls.update((name, fn) for name, fn in bf16_implementations(causal).items()
+                 if name != "jax-xla")
     return impls
 
 
