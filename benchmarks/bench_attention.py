@@ -1,4 +1,5 @@
-"""Attention throughput on one GPU, in one process: fusedattn's cuDNN backend against
+"""Attention throughput on one GPU, in one process: fusedattn (auto dispatch, which
+measures cudnn against flash where both run a config, and its cuDNN backend) against
 jax.nn.dot_product_attention (implementation="cudnn" and "xla") and flash-attn3-jax
 when importable; forward and forward+backward, causal and not; TFLOP/s (causal
 FLOPs halved), ratios to each anchor, the measured device ceilings, the first
@@ -25,6 +26,7 @@ from common import (RESULTS_DIR, device_meta, device_slug, measure_ceilings, pri
                     run_main, time_interleaved, warmed, write_results)
 
 import fusedattn  # noqa: E402
+from fusedattn import plan_cache  # noqa: E402
 from fusedattn.backends import cudnn  # noqa: E402
 from fusedattn.config import AttnConfig  # noqa: E402
 
@@ -52,6 +54,8 @@ def _fa3():
 
 def implementations(causal: bool):
     impls = {
+        "fusedattn": lambda q, k, v: fusedattn.fused_attn(
+            q, k, v, mask="causal" if causal else "none"),
         "fusedattn-cudnn": lambda q, k, v: fusedattn.fused_attn(
             q, k, v, mask="causal" if causal else "none", backend="cudnn"),
         "jax-cudnn": lambda q, k, v: jax.nn.dot_product_attention(
@@ -88,9 +92,13 @@ def first_build_seconds(b, s, hq, hkv, d) -> dict:
     build time."""
     cfg = AttnConfig(batch=b, s_q=s, s_kv=s, h_q=hq, h_kv=hkv, d_qk=d, d_v=d,
                      dtype="bfloat16", scale=d ** -0.5)
-    t0 = time.perf_counter()
-    probe = cudnn.probe(cfg)
-    wall = time.perf_counter() - t0
+    plan_cache.set_enabled(False)  # a cold build (bench_first_call.py times the stored plans)
+    try:
+        t0 = time.perf_counter()
+        probe = cudnn.probe(cfg)
+        wall = time.perf_counter() - t0
+    finally:
+        plan_cache.set_enabled(None)
     graphs = dict(zip(cudnn.GRAPHS, probe.build_seconds))
     return {"first_probe_s": wall, "probe_wall_s": probe.wall_seconds,
             "graphs_build_s": graphs, "graphs_build_sum_s": sum(graphs.values()),
@@ -133,10 +141,17 @@ def bench(shapes):
                 for impl, t in time_interleaved(calls).items():
                     row[impl] = flops / t / 1e12
                     row[impl + "_ms"] = t * 1e3
-                ours = row.get("fusedattn-cudnn")
+                ours = row.get("fusedattn")
                 for anchor in ("jax-cudnn", "jax-xla", "flash-attn3"):
                     if ours and row.get(anchor):
                         row[f"x {anchor}"] = ours / row[anchor]
+                best = max((row.get(a) or 0 for a in ("jax-cudnn", "flash-attn3")), default=0)
+                if ours and best:
+                    row["x best anchor"] = ours / best
+                plan = fusedattn.explain(q, k, v, mask=cfg.mask)
+                row["auto_chose"] = (plan.choice.inference if mode == "fwd" else plan.choice.training) \
+                    if plan.choice else plan.chosen
+                row["auto_timings_ms"] = plan.choice.timings if plan.choice else None
                 rows.append(row)
                 print(f"  {name} causal={causal} {mode}: " + ", ".join(
                     f"{i}={row.get(i) and round(row[i])}" for i in implementations(causal)),
@@ -148,7 +163,7 @@ def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    impls = [i for i in ("fusedattn-cudnn", "jax-cudnn", "jax-xla", "flash-attn3")
+    impls = [i for i in ("fusedattn", "fusedattn-cudnn", "jax-cudnn", "jax-xla", "flash-attn3")
              if any(r.get(i) for r in rows)]
     fig, axes = plt.subplots(2, 1, figsize=(14, 9))
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
@@ -195,9 +210,9 @@ def main():
     print(f"re-trace of a cached config: {retrace}", flush=True)
 
     rows = bench(QUICK if args.quick else SHAPES)
-    cols = ["shape", "causal", "mode", "fusedattn-cudnn", "jax-cudnn", "jax-xla", "flash-attn3",
-            "x jax-cudnn", "x jax-xla", "x flash-attn3"]
-    print("\nTFLOP/s (bf16; causal FLOPs halved) and ratios fusedattn / anchor")
+    cols = ["shape", "causal", "mode", "fusedattn", "auto_chose", "fusedattn-cudnn", "jax-cudnn",
+            "jax-xla", "flash-attn3", "x jax-cudnn", "x flash-attn3", "x best anchor"]
+    print("\nTFLOP/s (bf16; causal FLOPs halved) and ratios fusedattn (auto) / anchor")
     print_table(rows, cols)
     print(f"\nceilings: copy {ceilings['copy_GBps']:.0f} GB/s, bf16 matmul "
           f"{ceilings['bf16_matmul_TFLOPs']:.0f} TFLOP/s")

@@ -37,6 +37,8 @@ if [[ $step == all || $step == build || ! -d /tmp/fusedattn-pkg/fusedattn ]]; th
   test -n "$(ls /tmp/fusedattn-pkg/fusedattn/_cuda*.so 2>/dev/null)" || { echo "CUDA extension not built"; tail -50 "$log_dir/build.log"; exit 1; }
 fi
 export PYTHONPATH=/tmp/fusedattn-pkg:${PYTHONPATH:-}
+# A persistent plan cache of this run's own (tests fill it; nothing from earlier runs).
+export FUSEDATTN_CACHE_DIR=${FUSEDATTN_CACHE_DIR:-$(mktemp -d /tmp/fusedattn-cache.XXXX)}
 python3 -m fusedattn info | tee "$log_dir/info.txt"
 
 if [[ $step == all || $step == test ]]; then

@@ -51,7 +51,7 @@ def test_fused_attn_raises_for_unservable_forced_backend():
 
 def test_unknown_backend_name():
     with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
-        fusedattn.explain(Q, Q, Q, backend="flash")
+        fusedattn.explain(Q, Q, Q, backend="flash2")
 
 
 def test_environment_forces_backend(monkeypatch):
@@ -83,7 +83,7 @@ def test_preference_order_and_broken_backends(monkeypatch):
     monkeypatch.setattr(dispatch, "load_backend", fake)
     plan = dispatch.plan(cfg, platform="cuda")
     reasons = dict(plan.reasons)
-    assert [n for n, _ in plan.reasons][:3] == ["small_seq", "cudnn", "xla"]
+    assert [n for n, _ in plan.reasons][:4] == ["small_seq", "cudnn", "flash", "xla"]
     assert "ZeroDivisionError" in reasons["small_seq"]
     assert "libcudnn.so.9" in reasons["cudnn"]
     assert plan.chosen == "xla"

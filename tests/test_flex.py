@@ -185,3 +185,16 @@ def test_per_head_score_mods_under_a_split_are_refused_not_misread(monkeypatch):
     rel = fc.MODS["relative_position"][0]
     out = jax.jit(lambda q: native_call.attention("xla", *build_call(q, q, q, score_mod=rel))[0])(q)
     assert out.shape == q.shape  # no reason: it splits
+
+
+def test_inputs_that_vary_over_the_batch_stay_off_cudnn():
+    """cuDNN 9.19 misreads per-batch score_mod tensors (tests/gpu/test_flex_gpu.py
+    measures it), so what reads the batch index, per-batch args or padding lengths runs
+    on XLA with the reason; per-head and positional mods still lower."""
+    per_batch, _ = _config("per_batch_scale")
+    assert "vary over the batch" in cudnn.config_reason(per_batch)
+    padded, _ = _config("relative_position", sequence=fusedattn.SequenceDescriptor.from_lengths(
+        jnp.array([S, 7]), jnp.array([5, S])))
+    assert "vary over the batch" in cudnn.config_reason(padded)
+    for name in ("per_head_scale", "relative_position", "causal_mask_mod"):
+        assert cudnn.config_reason(_config(name)[0]) is None, name

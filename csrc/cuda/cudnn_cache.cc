@@ -1,5 +1,6 @@
 // The graph cache (see cudnn_cache.h): builds a graph with a pooled handle on its
-// device and keeps it, with its workspace size and cudnn-frontend's message.
+// device, from scratch or from a serialized plan, and keeps it, with its workspace
+// size and cudnn-frontend's message, in a bounded LRU map.
 #include "cudnn_cache.h"
 
 #include <chrono>
@@ -12,7 +13,49 @@
 namespace fusedattn::cudnn_attn {
 namespace {
 
-std::string build_graph(CachedGraph& entry, std::string_view key, GraphKind kind, int device) {
+// Entries kept by default: 3 graphs each for about 340 configs. Python may change it
+// (fusedattn.plan_cache.set_graph_cache_size, or FUSEDATTN_GRAPH_CACHE_SIZE).
+constexpr size_t kDefaultCapacity = 1024;
+
+std::string check(fe::error_t status, const char* step) {
+  if (status.is_good()) return {};
+  return std::string(step) + ": " + status.get_message();
+}
+
+// What a built graph tells the handlers: its workspace, and whether execute() adds
+// frontend copies (host-to-device, or memsets on old cuDNN) in front of the cuDNN
+// plan; for these SDPA graphs: the ALiBi slopes.
+std::string finish(CachedGraph& entry, std::shared_ptr<fe::graph::Graph> g) {
+  int64_t workspace = 0;
+  std::string msg = check(g->get_workspace_size(workspace), "get_workspace_size");
+  if (!msg.empty()) return msg;
+  entry.host_copies = !g->cuda_graph_direct_population_eligible();
+  entry.graph = std::move(g);
+  entry.workspace = workspace;
+  return {};
+}
+
+// A graph from a serialized plan: no heuristics query, no kernel compilation. Any
+// failure (a stale or corrupt plan) is a note, and the caller builds from scratch.
+bool load_plan(CachedGraph& entry, cudnnHandle_t handle, const std::vector<uint8_t>& plan) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  std::string msg;
+  try {
+    msg = check(g->deserialize(handle, plan), "deserialize");
+  } catch (const std::exception& e) {  // the JSON parser throws on malformed data
+    msg = std::string("deserialize: ") + e.what();
+  }
+  if (msg.empty()) msg = finish(entry, std::move(g));
+  if (!msg.empty()) {
+    entry.plan_note = "stored plan not used (" + msg + "); built from scratch";
+    return false;
+  }
+  entry.from_plan = true;
+  return true;
+}
+
+std::string build_graph(CachedGraph& entry, std::string_view key, GraphKind kind, int device,
+                        const std::vector<uint8_t>& plan) {
   AttnParams p;
   try {
     p = parse_params(key);
@@ -27,16 +70,13 @@ std::string build_graph(CachedGraph& entry, std::string_view key, GraphKind kind
   // handle has.
   if (cudnnStatus_t s = cudnnSetStream(handle.get(), nullptr); s != CUDNN_STATUS_SUCCESS)
     return std::string("cudnnSetStream: ") + cudnnGetErrorString(s);
+  if (!plan.empty() && load_plan(entry, handle.get(), plan)) return {};
   std::shared_ptr<fe::graph::Graph> g;
   try {
     g = make_graph(p, kind);
   } catch (const std::exception& e) {
     return std::string("graph construction: ") + e.what();
   }
-  auto check = [](fe::error_t status, const char* step) -> std::string {
-    if (status.is_good()) return {};
-    return std::string(step) + ": " + status.get_message();
-  };
   std::string msg = check(g->validate(), "validate");
   if (msg.empty()) msg = check(g->build_operation_graph(handle.get()), "build_operation_graph");
   if (msg.empty()) msg = check(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
@@ -44,15 +84,18 @@ std::string build_graph(CachedGraph& entry, std::string_view key, GraphKind kind
   if (msg.empty()) msg = check(g->check_support(), "check_support");
   if (msg.empty()) msg = check(g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "build_plans");
   if (!msg.empty()) return msg;
-  int64_t workspace = 0;
-  msg = check(g->get_workspace_size(workspace), "get_workspace_size");
-  if (!msg.empty()) return msg;
-  // True when execute() adds frontend copies (host-to-device, or memsets on old
-  // cuDNN) in front of the cuDNN plan; for these SDPA graphs: the ALiBi slopes.
-  entry.host_copies = !g->cuda_graph_direct_population_eligible();
-  entry.graph = std::move(g);
-  entry.workspace = workspace;
-  return {};
+  // Plan only (no graph structure): what load_plan reads back.
+  std::string serialize_msg;
+  try {
+    serialize_msg = check(g->serialize(entry.plan, /*serialize_structure=*/false), "serialize");
+  } catch (const std::exception& e) {
+    serialize_msg = std::string("serialize: ") + e.what();
+  }
+  if (!serialize_msg.empty()) {
+    entry.plan.clear();
+    entry.plan_note += (entry.plan_note.empty() ? "" : "; ") + serialize_msg;
+  }
+  return finish(entry, std::move(g));
 }
 
 }  // namespace
@@ -64,35 +107,65 @@ GraphCache& GraphCache::instance() {
 
 GraphCache::GraphCache()
     : prefix_("cudnn" + std::to_string(cudnnGetVersion()) + "|fe" +
-              std::to_string(CUDNN_FRONTEND_VERSION) + "|") {}
+              std::to_string(CUDNN_FRONTEND_VERSION) + "|") {
+  stats_.capacity = kDefaultCapacity;
+}
 
-std::shared_ptr<CachedGraph> GraphCache::get(int device, GraphKind kind, std::string_view key) {
-  std::string full = prefix_ + std::to_string(device) + "|" +
-                     std::to_string(static_cast<int>(kind)) + "|" + std::string(key);
-  std::shared_ptr<CachedGraph> entry;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& slot = entries_[full];
-    if (!slot) slot = std::make_shared<CachedGraph>();
-    entry = slot;
+std::shared_ptr<CachedGraph> GraphCache::slot(std::string full_key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto found = entries_.find(full_key);
+  if (found != entries_.end()) {
+    ++stats_.hits;
+    recency_.splice(recency_.begin(), recency_, found->second.recency);
+    return found->second.entry;
   }
+  recency_.push_front(full_key);
+  auto entry = std::make_shared<CachedGraph>();
+  entries_.emplace(std::move(full_key), Slot{entry, recency_.begin()});
+  evict_locked();
+  return entry;
+}
+
+void GraphCache::evict_locked() {
+  // An evicted entry lives on in whoever holds it (a build in progress, a handler).
+  while (entries_.size() > stats_.capacity) {
+    entries_.erase(recency_.back());
+    recency_.pop_back();
+    ++stats_.evictions;
+  }
+}
+
+std::shared_ptr<CachedGraph> GraphCache::get(int device, GraphKind kind, std::string_view key,
+                                             const std::vector<uint8_t>& plan) {
+  auto entry = slot(prefix_ + std::to_string(device) + "|" +
+                    std::to_string(static_cast<int>(kind)) + "|" + std::string(key));
   std::lock_guard<std::mutex> lock(entry->build_mutex);
   if (!entry->built) {
     auto t0 = std::chrono::steady_clock::now();
-    entry->error = build_graph(*entry, key, kind, device);
+    entry->error = build_graph(*entry, key, kind, device, plan);
     if (!entry->error.empty())
       entry->error = std::string(kind_name(kind)) + " graph: " + entry->error;
     entry->build_seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     entry->built = true;
+    std::lock_guard<std::mutex> stats_lock(mutex_);
+    ++stats_.builds;
+    if (entry->from_plan) ++stats_.from_plans;
   }
   return entry;
 }
 
-
-size_t GraphCache::size() {
+void GraphCache::set_capacity(size_t capacity) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return entries_.size();
+  stats_.capacity = capacity < 1 ? 1 : capacity;
+  evict_locked();
+}
+
+CacheStats GraphCache::stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  CacheStats s = stats_;
+  s.entries = entries_.size();
+  return s;
 }
 
 }  // namespace fusedattn::cudnn_attn

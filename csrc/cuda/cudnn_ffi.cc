@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
+#include <future>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -86,7 +87,13 @@ ffi::Error bind_slots(void* base, size_t size_bytes, const Uid* uids, size_t n, 
 
 ffi::Error run_graph(cudaStream_t stream, int device, GraphKind kind, std::string_view key,
                      Bindings& b, ffi::Result<ffi::AnyBuffer> workspace, Target target) {
-  auto entry = GraphCache::instance().get(device, kind, key);
+  auto lookup = [&] { return GraphCache::instance().get(device, kind, key); };
+  // The probe built the graph at trace time, but the bounded cache may have evicted
+  // it since: then it is rebuilt here. While XLA captures this stream into a command
+  // buffer (thread-local capture mode) this thread must not make the CUDA calls a
+  // build makes, so another thread looks it up.
+  auto entry = stream_is_capturing(stream) ? std::async(std::launch::async, lookup).get()
+                                           : lookup();
   if (!entry->graph) return ffi_error(entry->error);
   if (static_cast<int64_t>(workspace->size_bytes()) < entry->workspace)
     return ffi_error("workspace of " + std::to_string(workspace->size_bytes()) +

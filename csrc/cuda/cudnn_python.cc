@@ -1,5 +1,6 @@
 // The Python side of cuDNN attention: support probes (the three graphs of a key,
-// built concurrently), frontend-only validation, versions, cache and handle counts.
+// built concurrently, from serialized plans where Python has them), frontend-only
+// validation, versions, the device's identity, cache statistics and handle counts.
 #include <cuda_runtime.h>
 #include <cudnn.h>
 #include <dlfcn.h>
@@ -9,7 +10,9 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <mutex>
 #include <system_error>
+#include <vector>
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -28,9 +31,10 @@ namespace py = pybind11;
 // device's pool, so these short-lived threads leave nothing behind). The cache
 // still lets exactly one thread build an entry: a second probe of the same key
 // waits for the first one's builds. Returns when all three are done.
-std::array<std::shared_ptr<CachedGraph>, 3> get_all(int device, const std::string& key) {
-  auto build = [device, &key](GraphKind kind) {
-    return GraphCache::instance().get(device, kind, key);
+std::array<std::shared_ptr<CachedGraph>, 3> get_all(
+    int device, const std::string& key, const std::array<std::vector<uint8_t>, 3>& plans) {
+  auto build = [device, &key, &plans](GraphKind kind) {
+    return GraphCache::instance().get(device, kind, key, plans[static_cast<int>(kind)]);
   };
   std::array<std::future<std::shared_ptr<CachedGraph>>, 2> others;
   for (size_t i = 0; i < others.size(); ++i) {
@@ -49,8 +53,9 @@ std::array<std::shared_ptr<CachedGraph>, 3> get_all(int device, const std::strin
   return entries;
 }
 
-// Builds (or finds) the three graphs of `key` on the current device.
-py::dict check_support(const std::string& key) {
+// Builds (or finds) the three graphs of `key` on the current device; `plans` maps a
+// graph name ("forward_inference", ...) to a serialized plan to build it from.
+py::dict check_support(const std::string& key, const py::dict& plans) {
   py::dict result;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
@@ -58,20 +63,37 @@ py::dict check_support(const std::string& key) {
     result["message"] = std::string("no CUDA device: ") + cudaGetErrorString(e);
     return result;
   }
+  std::array<std::vector<uint8_t>, 3> given;
+  for (size_t i = 0; i < kKinds.size(); ++i) {
+    const char* name = kind_key(kKinds[i]);
+    if (plans.contains(name)) {
+      std::string bytes = plans[name].cast<py::bytes>();
+      given[i].assign(bytes.begin(), bytes.end());
+    }
+  }
   std::array<std::shared_ptr<CachedGraph>, 3> entries;
   double wall_seconds = 0;
   {
     py::gil_scoped_release release;  // building takes a while; let other threads run
     const auto t0 = std::chrono::steady_clock::now();
-    entries = get_all(device, key);
+    entries = get_all(device, key, given);
     wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   std::string message;
-  py::dict workspace, build_seconds, host_copies;
+  py::dict workspace, build_seconds, host_copies, from_plan, new_plans, plan_notes;
   for (size_t i = 0; i < kKinds.size(); ++i) {
     const char* name = kind_key(kKinds[i]);
     const auto& entry = entries[i];
     build_seconds[name] = entry->build_seconds;
+    from_plan[name] = entry->from_plan;
+    std::vector<uint8_t> plan;
+    {
+      std::lock_guard<std::mutex> lock(entry->build_mutex);
+      plan.swap(entry->plan);  // handed to the first probe that asks, then freed here
+      if (!entry->plan_note.empty()) plan_notes[name] = entry->plan_note;
+    }
+    if (!plan.empty())
+      new_plans[name] = py::bytes(reinterpret_cast<const char*>(plan.data()), plan.size());
     if (!entry->graph) {
       if (message.empty()) message = entry->error;  // the first failing kind, in order
       continue;
@@ -85,8 +107,38 @@ py::dict check_support(const std::string& key) {
   result["build_seconds"] = build_seconds;  // per graph, when it was built
   result["wall_seconds"] = wall_seconds;    // this call: the three at once, or cache hits
   result["host_copies"] = host_copies;
+  result["from_plan"] = from_plan;    // per graph: built from a plan handed in
+  result["plans"] = new_plans;        // per graph: a fresh build's serialized plan
+  result["plan_notes"] = plan_notes;  // per graph: a plan not used, or not serializable
   result["device"] = device;
   return result;
+}
+
+// What a stored plan is only valid for: the GPU model and its compute capability.
+py::dict device_identity() {
+  py::dict result;
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return result;
+  }
+  result["name"] = std::string(prop.name);
+  result["sm"] = prop.major * 10 + prop.minor;
+  result["multiprocessors"] = prop.multiProcessorCount;
+  return result;
+}
+
+py::dict cache_stats() {
+  CacheStats s = GraphCache::instance().stats();
+  py::dict d;
+  d["entries"] = s.entries;
+  d["capacity"] = s.capacity;
+  d["builds"] = s.builds;
+  d["from_plans"] = s.from_plans;
+  d["hits"] = s.hits;
+  d["evictions"] = s.evictions;
+  return d;
 }
 
 // Builds the three graphs of `key` for an SM version and runs only the frontend's
@@ -134,13 +186,21 @@ py::dict versions() {
 }
 
 FUSEDATTN_MODULE_INIT(cudnn_attention) {
-  m.def("cudnn_check_support", &check_support, py::arg("key"),
+  m.def("cudnn_check_support", &check_support, py::arg("key"), py::arg("plans") = py::dict(),
         "Build (or find cached) the three cuDNN graphs of a config key (inference and "
-        "training forward, backward), concurrently; returns {ok, message, workspace, "
-        "build_seconds (per graph), wall_seconds (this call), host_copies (per graph), "
-        "device}.");
+        "training forward, backward), concurrently, from the serialized plans given per "
+        "graph where they load; returns {ok, message, workspace, build_seconds (per graph), "
+        "wall_seconds (this call), host_copies, from_plan, plans (fresh builds' serialized "
+        "plans), plan_notes (per graph), device}.");
+  m.def("cudnn_device_identity", &device_identity,
+        "The current device's {name, sm, multiprocessors} (what a stored plan is valid for).");
+  m.def("cudnn_cache_stats", &cache_stats,
+        "Graph cache counters: {entries, capacity, builds, from_plans, hits, evictions}.");
+  m.def("cudnn_set_cache_capacity",
+        [](size_t n) { GraphCache::instance().set_capacity(n); }, py::arg("capacity"),
+        "Bound the graph cache to `capacity` entries (least recently used go first).");
   m.def("cudnn_versions", &versions, "cuDNN runtime/compiled, cudnn-frontend and CUDA versions.");
-  m.def("cudnn_cache_size", []() { return GraphCache::instance().size(); },
+  m.def("cudnn_cache_size", []() { return GraphCache::instance().stats().entries; },
         "Number of cached cuDNN graphs (all devices and kinds).");
   m.def("cudnn_validate_graphs", &validate_graphs, py::arg("key"), py::arg("sm_version"),
         "Frontend validation only (no GPU needed) of the three graphs of a key for an SM "

@@ -82,7 +82,7 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
         return context_parallel_attention(config, inputs, cp, plan.chosen)
     if config.is_fp8:
         return fp8.current_scaling_attention(config, inputs, plan.backend.name)
-    return plan.backend.attention(config, inputs)
+    return plan.attention(inputs)
 
 
 def _check_context_parallel(cp) -> Optional[ContextParallel]:

@@ -4,6 +4,10 @@ Backends are modules under `fusedattn.backends`, each exposing `BACKEND` (see
 `backends/base.py`). Adding one is adding its module and its name to
 `PREFERENCE` below. A module that fails to import is reported as a reason, not
 raised, so a broken optional backend never hides the XLA fallback.
+
+Where backends of a rival group (`backend_choice.RIVALS`: cudnn and flash on CUDA)
+can both run a config, `auto` picks by a measurement on this GPU, separately for
+calls without a gradient and for training steps; the plan shows the timings.
 """
 from __future__ import annotations
 
@@ -16,17 +20,18 @@ from typing import Dict, List, Optional, Tuple
 
 import jax
 
+from . import backend_choice
 from .config import AttnConfig
 
 log = logging.getLogger("fusedattn")
 
 # Preference order per platform: the first backend that supports a config runs it.
 PREFERENCE: Dict[str, Tuple[str, ...]] = {
-    "cuda": ("small_seq", "cudnn", "xla"),
+    "cuda": ("small_seq", "cudnn", "flash", "xla"),
     "rocm": ("small_seq", "ck", "xla"),
     "cpu": ("xla",),
 }
-ALL_BACKENDS: Tuple[str, ...] = ("small_seq", "cudnn", "ck", "xla")
+ALL_BACKENDS: Tuple[str, ...] = ("small_seq", "cudnn", "flash", "ck", "xla")
 
 ENV_BACKEND = "FUSEDATTN_BACKEND"
 ENV_PLATFORM = "FUSEDATTN_PLATFORM"  # for tests: pretend to be cpu / cuda / rocm
@@ -64,12 +69,27 @@ class Plan:
     # The distributed plan (context parallelism, or the batch / head split of sharded
     # inputs given to explain()), as lines of text; "" for a single-device call.
     distributed: str = ""
+    # A measured choice between rival backends (`backend_choice`); `chosen` is then its
+    # training backend. `measure_note`: why no measurement decided, where one could have.
+    choice: Optional[backend_choice.Choice] = None
+    measure_note: str = ""
 
     @property
     def backend(self):
         if self.chosen is None:
             raise UnsupportedError(self.error_message())
         return load_backend(self.chosen)
+
+    def attention(self, inputs):
+        """Run the plan: the chosen backend, or under a measured choice its inference
+        backend for calls without a gradient and its training backend for the rest."""
+        choice = self.choice
+        if choice is not None and choice.inference != choice.training:
+            from .backends import native_call  # noqa: PLC0415
+            self.backend  # noqa: B018 - raises UnsupportedError with every reason
+            return native_call.attention((choice.inference, choice.training), self.config,
+                                         inputs)[0]
+        return self.backend.attention(self.config, inputs)
 
     def error_message(self) -> str:
         return (f"backend {self.requested!r} cannot run this attention "
@@ -86,7 +106,14 @@ class Plan:
 
     def __str__(self) -> str:
         head = f"fusedattn plan on {self.platform} for {self.config.short()}"
-        return head + "\n" + self.table() + ("\n" + self.distributed if self.distributed else "")
+        lines = [head, self.table()]
+        if self.choice is not None:
+            lines.append(self.choice.describe())
+        if self.measure_note:
+            lines.append(self.measure_note)
+        if self.distributed:
+            lines.append(self.distributed)
+        return "\n".join(lines)
 
 
 def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[str]:
@@ -134,20 +161,41 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
     preferred = PREFERENCE.get(platform, ("xla",))
     order: List[str] = list(preferred) + [n for n in ALL_BACKENDS if n not in preferred]
     reasons = tuple((name, _reason(name, config, platform, context_parallel)) for name in order)
+    choice, measure_note = None, ""
     if requested == "auto":
         chosen = next((n for n, r in reasons if r is None), None)
+        candidates = backend_choice.rivals(platform, [n for n, r in reasons if r is None])
+        if candidates and context_parallel is None:
+            choice, measure_note = _measured(config, platform, candidates)
+            chosen = choice.training if choice is not None else chosen
     else:
         chosen = requested if dict(reasons)[requested] is None else None
     distributed = ""
     if context_parallel is not None:
         from . import context_parallel as cp_module  # noqa: PLC0415
         distributed = cp_module.describe(config, context_parallel)
-    result = Plan(config, platform, requested, chosen, reasons, distributed)
+    result = Plan(config, platform, requested, chosen, reasons, distributed, choice,
+                  measure_note)
     with _plans_lock:
         if key not in _plans:
             log.info("fusedattn: %s on %s -> %s", config.short(), platform, chosen or "no backend")
         _plans[key] = result
     return result
+
+
+def _measured(config: AttnConfig, platform: str, candidates):
+    """(the measured choice or None, why not) among rival backends."""
+    if not backend_choice.enabled():
+        return None, (f"{' and '.join(candidates)} both run this config; not measured "
+                      f"({backend_choice.ENV_MEASURE}=0): preference order decides")
+    try:
+        return backend_choice.choose(config, platform, candidates,
+                                     identity=backend_choice.machine_identity()), ""
+    except Exception as e:  # out of memory, a kernel error: say so, keep the preference
+        log.warning("fusedattn: measuring %s for %s failed: %s", candidates, config.short(), e)
+        return None, (f"measuring {' and '.join(candidates)} failed ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200] if str(e) else ''}): preference order "
+                      f"decides")
 
 
 def clear_cache() -> None:

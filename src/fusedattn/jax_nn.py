@@ -86,7 +86,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                                 scale=None if scale is None else float(scale))
     plan = dispatch.plan(config, _backend(implementation))
     if not return_residual:
-        out = plan.backend.attention(config, inputs)
+        out = plan.attention(inputs)
         return out[0] if unbatched else out
     if plan.chosen == "xla":
         out, lse = xla.attention_with_lse(config, inputs)

@@ -74,8 +74,7 @@ def fused_attn_small_seq(q: jax.Array, k: jax.Array, v: jax.Array, *,
     plan = dispatch.plan(call.padded_config, backend)
     if plan.chosen == "small_seq":
         return plan.backend.attention(call.config, call.inputs)
-    chosen = plan.backend  # raises UnsupportedError with every reason if none fits
-    out = chosen.attention(call.padded_config, padded_inputs(call))
+    out = plan.attention(padded_inputs(call))  # UnsupportedError with every reason if none fits
     if call.packed:  # as the kernels do: a malformed range gives NaN, never a silent clamp
         bad = malformed_ranges(call.inputs.sequence.kv_offsets, call.inputs.k.shape[0])
         out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)

@@ -20,6 +20,9 @@ cannot run. Any other JAX score_mod / mask_mod is lowered to pointwise graph
 operations by `cudnn_flex` (with the config's masks composed in), or refused with
 the reason.
 
+The probe (`cudnn_probe`) persists plans across processes (`fusedattn.plan_cache`)
+and bounds the in-process graph cache (`set_graph_cache_size`).
+
 Graphs with ALiBi copy their slopes from host memory into the workspace on
 every execute; they run through FFI targets that do not declare XLA's
 command-buffer trait (csrc/cuda/cudnn_ffi.cc explains why), chosen from
@@ -27,10 +30,8 @@ the probe's `host_copies`.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,13 @@ import numpy as np
 from .. import fp8
 from ..config import AttnConfig
 from ..score_mods import Alibi, SoftCap
-from . import cudnn_flex, native, native_call
+from . import cudnn_flex, cudnn_probe, native, native_call
+from .cudnn_probe import GRAPHS, Probe
+
+# The probe's switches, as the cudnn backend's public surface.
+assume_supported = cudnn_probe.assume_supported
+set_graph_cache_size = cudnn_probe.set_graph_cache_size
+graph_cache_stats = cudnn_probe.graph_cache_stats
 from .base import AttnInputs
 
 TARGET_FWD = "fusedattn_cudnn_fwd"
@@ -182,69 +189,9 @@ def version_reason(config: AttnConfig, cudnn_version: Optional[int]) -> Optional
     return None
 
 
-# ---- the support probe --------------------------------------------------------------
-GRAPHS = ("forward_inference", "forward_training", "backward")
-
-
-@dataclasses.dataclass(frozen=True)
-class Probe:
-    """What building a config's three graphs (in the order of `GRAPHS`) said."""
-    ok: bool
-    message: str
-    workspace: Tuple[int, int, int] = (0, 0, 0)
-    # Seconds each graph took to build (when it was built), and the wall time of the
-    # probe that built them: the three build concurrently, so it is about the
-    # slowest one, not the sum.
-    build_seconds: Tuple[float, float, float] = (0.0, 0.0, 0.0)
-    wall_seconds: float = 0.0
-    # Whether the graph's execute copies from host memory (ALiBi slopes): such
-    # graphs go through the targets XLA does not capture into command buffers.
-    host_copies: Tuple[bool, bool, bool] = (False, False, False)
-
-
-_probe_lock = threading.Lock()
-_probes: Dict[str, Probe] = {}
-_assumed: Optional[Probe] = None  # set by assume_supported()
-
-
-@contextlib.contextmanager
-def assume_supported(workspace_bytes: int = 0):
-    """Skip the native probe: every config passing `config_reason` counts as supported,
-    with this workspace size. For lowering / `jax.export` on a host without a GPU;
-    a call run with too small a workspace fails with an FFI error saying so. Which
-    graphs copy from host memory is then decided from the config (ALiBi)."""
-    global _assumed
-    previous = _assumed
-    _assumed = Probe(True, "assumed", (workspace_bytes,) * 3)
-    try:
-        yield
-    finally:
-        _assumed = previous
-
-
 def probe(config: AttnConfig) -> Probe:
     """Build (or find) the config's three cuDNN graphs, concurrently; cached per key."""
-    if _assumed is not None:
-        return _assumed
-    key = graph_key(config)
-    found = _probes.get(key)
-    if found is not None:
-        return found
-    with _probe_lock:
-        found = _probes.get(key)
-        if found is None:
-            why = native.ensure_targets(TARGETS, "cuda")
-            if why is not None:  # not cached: the extension may load later
-                return Probe(False, why)
-            r = native.module("cuda").cudnn_check_support(key)
-
-            def per_graph(field, default):
-                return tuple(type(default)(r.get(field, {}).get(g, default)) for g in GRAPHS)
-            found = Probe(bool(r["ok"]), r["message"], per_graph("workspace", 0),
-                          per_graph("build_seconds", 0.0), float(r.get("wall_seconds", 0.0)),
-                          per_graph("host_copies", False))
-            _probes[key] = found
-    return found
+    return cudnn_probe.probe(graph_key(config), TARGETS)
 
 
 def host_copies(config: AttnConfig, found: Probe) -> Tuple[bool, bool, bool]:
@@ -261,7 +208,7 @@ class _CudnnBackend:
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         why = config_reason(config)
-        if why is None and _assumed is None:
+        if why is None and cudnn_probe.assumed() is None:
             why = native.reason("cuda") or version_reason(config, native.cudnn_version())
         if why is None:
             result = probe(config)

@@ -41,6 +41,11 @@ def lowered(config: AttnConfig) -> flex_lowering.Lowered:
     return flex_lowering.lower(config, config.score_mod)
 
 
+# cuDNN 9.19 misreads score_mod tensors that vary over the batch; a GPU test flips this
+# to check that it still does (tests/gpu/test_flex_gpu.py).
+PER_BATCH_INPUTS_OK = False
+
+
 def reason(config: AttnConfig) -> Optional[str]:
     """Why this score_mod cannot run on cuDNN (None: it is lowered)."""
     if config.has_bias:
@@ -53,9 +58,14 @@ def reason(config: AttnConfig) -> Optional[str]:
         return ("score_mod_args gradients come from the XLA backend, whose dropout masks "
                 "differ from cuDNN's: not with dropout")
     try:
-        lowered(config)
+        low = lowered(config)
     except flex_lowering.Unsupported as e:
         return f"score_mod cannot be lowered to cuDNN: {e}"
+    if not PER_BATCH_INPUTS_OK and any(shape[0] > 1 for shape in low.input_shapes):
+        return ("score_mod / mask_mod reads values that vary over the batch (the batch index, "
+                "per-batch score_mod_args, or padding lengths composed into the graph): "
+                "cuDNN 9.19 computes wrong scores from a per-batch score_mod tensor (H100, "
+                "tests/gpu/test_flex_gpu.py per_batch_scale: 76-88% off), so it runs on XLA")
     return None
 
 

@@ -1,6 +1,6 @@
 """The one differentiable, partitionable call around every native backend.
 
-A native backend (cudnn, small_seq, ck) provides two per-device functions:
+A native backend (cudnn, small_seq, ck, flash) provides two per-device functions:
 
 * ``forward(config, inputs, training) -> (out, lse | None)``, ``lse`` fp32
   ``[b, h_q, s_q]`` when training;
@@ -239,16 +239,21 @@ def _grad_slots(config: AttnConfig, inputs: AttnInputs) -> AttnInputs:
 
 
 # ---- the differentiable call ----------------------------------------------------------
-def attention(backend: str, config: AttnConfig, inputs: AttnInputs, *, need_lse: bool = False):
+def attention(backend, config: AttnConfig, inputs: AttnInputs, *, need_lse: bool = False):
     """(out, lse) from native `backend`; lse (fp32 ``[b, h_q, s_q]``, no gradient) only
-    when `need_lse`. Differentiable in q, k, v, bias and softmax_offset."""
+    when `need_lse`. Differentiable in q, k, v, bias and softmax_offset.
+
+    `backend` is a backend name, or a pair ``(inference, training)``: the first runs a
+    call nobody differentiates, the second the forward and backward of one that is
+    (dispatch measures which is faster for each; `fusedattn.backend_choice`)."""
     # score_mod_args (cudnn's lowered score_mods) reach the kernels as they are; their
     # cotangents here are None: cudnn_flex supplies floating ones from the XLA backend.
+    inference, training = (backend, backend) if isinstance(backend, str) else tuple(backend)
     inputs = inputs._replace(rng=rng_bits(config, inputs.rng))
     if need_lse:
-        out, lse = _attend_with_lse(backend, config, inputs)
+        out, lse = _attend_with_lse(training, config, inputs)
         return out, jax.lax.stop_gradient(lse)
-    return _attend(backend, config, inputs), None
+    return _attend((inference, training), config, inputs), None
 
 
 def forward(backend: str, config: AttnConfig, inputs: AttnInputs, training: bool):
@@ -276,18 +281,18 @@ def _cotangents(inputs: AttnInputs, grads: AttnInputs) -> AttnInputs:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(backend, config, inputs):
-    return forward(backend, config, inputs, training=False)[0]
+def _attend(backends, config, inputs):
+    return forward(backends[0], config, inputs, training=False)[0]
 
 
-def _attend_fwd(backend, config, inputs):
-    out, lse = forward(backend, config, inputs, training=True)
+def _attend_fwd(backends, config, inputs):
+    out, lse = forward(backends[1], config, inputs, training=True)
     return out, (inputs, out, lse)
 
 
-def _attend_bwd(backend, config, residuals, d_out):
+def _attend_bwd(backends, config, residuals, d_out):
     inputs, out, lse = residuals
-    return (backward(backend, config, inputs, out, lse, d_out),)
+    return (backward(backends[1], config, inputs, out, lse, d_out),)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

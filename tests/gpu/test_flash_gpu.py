@@ -1,0 +1,130 @@
+"""The flash backend (FlashAttention-3 through flash-attn3-jax) on an H100: forward,
+LSE and every gradient against the float64 oracle; a plan that runs cudnn for
+inference and flash for training; the measured choice in auto dispatch.
+
+Tolerance: the project's bf16 / fp16 relative L2 (tests/attn_cases.TOLERANCE), as
+for cudnn. Skips with the backend's own reason where FA3 cannot run (no Hopper
+GPU, package absent)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn_cases as ac
+import fusedattn
+from fusedattn import backend_choice, dispatch
+from fusedattn.backends import flash, native_call
+from fusedattn.validation import build_call
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _needs_flash():
+    if dispatch.current_platform() != "cuda":
+        pytest.skip("needs a CUDA GPU")
+    why = flash.availability_reason()
+    if why is not None:
+        pytest.skip(why)
+
+
+def _case(name, **fields):
+    case = ac.Case(**{**dict(b=2, s_q=256, s_kv=256, h_q=4, h_kv=4, d_qk=128, d_v=128,
+                             dtype="bfloat16"), **fields})
+    return pytest.param(case, id=name)
+
+
+CASES = [
+    _case("dense"),
+    _case("causal", mask="causal"),
+    _case("causal-fp16", mask="causal", dtype="float16"),
+    _case("d64", d_qk=64, d_v=64),
+    _case("gqa-8/2-causal", h_q=8, h_kv=2, mask="causal"),
+    _case("mqa-4/1", h_kv=1),
+    _case("bottom-right-sq<skv", mask="causal_bottom_right", s_q=128),
+    _case("window-both-sides", window=(48, 16)),
+    _case("causal-window", mask="causal", window=(64, 0)),
+    _case("scale", scale=0.3),
+]
+
+
+def _grads(config_opts, built, run):
+    def f(q, k, v):
+        return run(q, k, v)
+    out, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(built.q, built.k, built.v)
+    as64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
+    return (as64(out),) + tuple(as64(g) for g in vjp(built.d_out))
+
+
+def _check(built, out, dq, dk, dv):
+    ref = ac.oracle_for(built)
+    tol = ac.TOLERANCE[built.case.dtype]
+    errors = {"out": ac.rel_error(out, ref.out), "dq": ac.rel_error(dq, ref.dq),
+              "dk": ac.rel_error(dk, ref.dk), "dv": ac.rel_error(dv, ref.dv)}
+    assert max(errors.values()) < tol, errors
+    return ref
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_against_float64_reference(case):
+    """Forward and LSE everywhere; gradients where flash trains (its causal mask), and
+    a clear error where it must not."""
+    built = ac.build(case)
+    opts = built.options()
+    config, inputs = build_call(built.q, built.k, built.v, **opts)
+    ref = ac.oracle_for(built)
+    out, lse = jax.jit(lambda i: native_call.attention("flash", config, i, need_lse=True))(inputs)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert ac.rel_error(out, ref.out) < ac.TOLERANCE[case.dtype]
+    assert ac.rel_error(np.asarray(lse), ref.lse) < 1e-3
+
+    def run(q, k, v):
+        return fusedattn.fused_attn(q, k, v, backend="flash", **opts)
+    if flash.training_reason(config) is not None:
+        with pytest.raises(ValueError, match="wrong gradients"):
+            _grads(opts, built, run)
+        return
+    _check(built, *_grads(opts, built, run))
+
+
+def test_a_plan_can_run_cudnn_for_inference_and_flash_for_training():
+    built = ac.build(CASES[1].values[0])
+    config, inputs = build_call(built.q, built.k, built.v, mask="causal")
+    plan = dataclasses.replace(
+        dispatch.plan(config, "cudnn"),
+        choice=backend_choice.Choice("cudnn", "flash", (), "test"))
+
+    def run(q, k, v):
+        return plan.attention(inputs._replace(q=q, k=k, v=v))
+    fwd_text = jax.jit(run).lower(built.q, built.k, built.v).as_text()
+    assert "fusedattn_cudnn_fwd" in fwd_text and "flash_mha" not in fwd_text
+    step_text = jax.jit(lambda *a: jax.vjp(run, *a)[1](built.d_out)).lower(
+        built.q, built.k, built.v).as_text()
+    assert "flash_mha_fwd" in step_text and "flash_mha_bwd" in step_text
+    assert "fusedattn_cudnn" not in step_text
+    _check(built, *_grads({}, built, run))
+
+
+def test_auto_measures_cudnn_against_flash_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("FUSEDATTN_CACHE_DIR", str(tmp_path))
+    backend_choice.clear()
+    dispatch.clear_cache()
+    q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16)
+    plan = fusedattn.explain(q, q, q, mask="causal")
+    assert plan.choice is not None, str(plan)
+    assert {name for name, _, _ in plan.choice.timings} == {"cudnn", "flash"}
+    assert plan.chosen == plan.choice.training
+    assert "measured now" in str(plan)
+    dense = fusedattn.explain(q, q, q)  # flash may not train here: measured forward only
+    assert dense.choice is not None and dense.choice.training == "cudnn", str(dense)
+    assert dict((n, s) for n, _, s in dense.choice.timings)["flash"] is None
+    backend_choice.clear()  # as a new process would: the stored choice is read back
+    dispatch.clear_cache()
+    again = fusedattn.explain(q, q, q, mask="causal")
+    assert again.choice.source == "persistent cache"
+    assert again.choice.timings == plan.choice.timings
+    print(plan)
