@@ -208,3 +208,18 @@ def test_flash_trains_only_with_its_causal_mask():
     for change in (dict(), dict(window=(16, 16)), dict(mask="causal", window=(32, 0))):
         why = flash.training_reason(dataclasses.replace(BASE, **change))
         assert why is not None and "wrong gradients" in why
+
+
+def test_measuring_inside_a_jit_trace_runs_the_calls():
+    """Dispatch measures while the user's function is being traced: the timed calls
+    must execute (on their own thread), not be staged into that trace."""
+    config = build_call(jnp.ones((1, 64, 2, 16), jnp.float32), jnp.ones((1, 64, 2, 16), jnp.float32),
+                        jnp.ones((1, 64, 2, 16), jnp.float32))[0]
+    found = []
+
+    def traced(x):
+        found.append(backend_choice.measure_on_device(config, ("xla",)))
+        return x
+    jax.jit(traced)(1.0)
+    (name, fwd, step), = found[0]
+    assert name == "xla" and fwd > 1e-6 and step > fwd

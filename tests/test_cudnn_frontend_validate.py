@@ -177,6 +177,10 @@ def test_frontend_accepts_lowered_score_mods(name, variant):
               "padding": dict(sequence=SequenceDescriptor.from_lengths(
                   jnp.array([128, 50]), jnp.array([70, 128])))}[variant]
     cfg = _flex_config(name, **change)
-    assert cudnn.config_reason(cfg) is None
+    why = cudnn.config_reason(cfg)
+    if variant == "padding":  # lengths are per-batch tensors, which cuDNN 9.19 misreads
+        assert "vary over the batch" in why, why
+    else:
+        assert why is None, why
     messages = EXT.cudnn_validate_graphs(cudnn.graph_key(cfg), 90)
     assert all(m == "" for m in messages.values()), messages

@@ -151,7 +151,27 @@ def clear() -> None:
 def measure_on_device(config: AttnConfig, candidates: Tuple[str, ...]):
     """[(name, forward seconds, forward+backward seconds)] for each candidate, on random
     inputs of the config's shapes on the default device, timed round-robin; the
-    forward+backward time is None for a backend whose `training_reason` refuses it."""
+    forward+backward time is None for a backend whose `training_reason` refuses it.
+
+    Dispatch runs inside the trace of the user's jit, where every JAX call is staged
+    into that trace instead of running. JAX's trace state is per thread, so the
+    measurement runs on a thread of its own, where calls execute."""
+    result: list = []
+
+    def run():
+        try:
+            result.append(_measure(config, candidates))
+        except BaseException as e:  # re-raised in the caller's thread
+            result.append(e)
+    thread = threading.Thread(target=run, name="fusedattn-measure")
+    thread.start()
+    thread.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _measure(config: AttnConfig, candidates: Tuple[str, ...]):
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
@@ -200,6 +220,9 @@ def _seconds_per_call(fn, args) -> float:
             out = fn(*args)
         jax.block_until_ready(out)
         elapsed = time.perf_counter() - t0
+        if isinstance(out, jax.core.Tracer) or any(
+                isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(out)):
+            raise RuntimeError("measurement was staged into a trace instead of running")
         if elapsed >= MIN_SECONDS or n >= 1024:
             return elapsed / n
         n *= 2
