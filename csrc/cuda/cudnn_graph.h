@@ -22,7 +22,8 @@
 //                    cudnn_graph_parts.h holds what the graph files share
 //   cudnn_fp8_graph.cc  the FP8 graphs (sdpa_fp8, sdpa_fp8_backward)
 //   cudnn_handles.h  device scope and the per-device pool of cuDNN handles
-//   cudnn_cache.*    the thread-safe graph cache (build once, keep the plan)
+//   cudnn_cache.*    the thread-safe, bounded (LRU) graph cache: build once, or
+//                    load a serialized plan Python's persistent cache hands in
 //   cudnn_ffi.cc     the FFI handlers and their targets (cudnn_ffi_common.h:
 //                    what they share with the FP8 handlers in cudnn_fp8_ffi.cc)
 //   cudnn_python.cc  support probes, validation, versions for Python
