@@ -52,10 +52,8 @@ CASES = [
 ]
 
 
-def _grads(config_opts, built, run):
-    def f(q, k, v):
-        return run(q, k, v)
-    out, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(built.q, built.k, built.v)
+def _grads(built, run):
+    out, vjp = jax.jit(lambda *a: jax.vjp(run, *a))(built.q, built.k, built.v)
     as64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
     return (as64(out),) + tuple(as64(g) for g in vjp(built.d_out))
 
@@ -86,9 +84,9 @@ def test_against_float64_reference(case):
         return fusedattn.fused_attn(q, k, v, backend="flash", **opts)
     if flash.training_reason(config) is not None:
         with pytest.raises(ValueError, match="wrong gradients"):
-            _grads(opts, built, run)
+            _grads(built, run)
         return
-    _check(built, *_grads(opts, built, run))
+    _check(built, *_grads(built, run))
 
 
 def test_a_plan_can_run_cudnn_for_inference_and_flash_for_training():
@@ -106,7 +104,7 @@ def test_a_plan_can_run_cudnn_for_inference_and_flash_for_training():
         built.q, built.k, built.v).as_text()
     assert "flash_mha_fwd" in step_text and "flash_mha_bwd" in step_text
     assert "fusedattn_cudnn" not in step_text
-    _check(built, *_grads({}, built, run))
+    _check(built, *_grads(built, run))
 
 
 def test_auto_measures_cudnn_against_flash_once(tmp_path, monkeypatch):
