@@ -223,3 +223,19 @@ def test_measuring_inside_a_jit_trace_runs_the_calls():
     jax.jit(traced)(1.0)
     (name, fwd, step), = found[0]
     assert name == "xla" and fwd > 1e-6 and step > fwd
+
+
+def test_a_large_config_is_timed_at_a_smaller_batch():
+    import dataclasses
+    big = dataclasses.replace(BASE, batch=64, s_q=4096, s_kv=4096, h_q=32, h_kv=32)
+    seen = []
+
+    def measure(config, candidates):
+        seen.append(config)
+        return [(name, 1e-3, 2e-3) for name in candidates]
+    choice = backend_choice.choose(big, "cuda", ("cudnn", "flash"), measure)
+    assert seen[0] == dataclasses.replace(big, batch=4)  # 4 x 32 x 4096 = MAX_ROWS
+    assert "at batch 4 of 64" in choice.describe()
+    assert backend_choice.measured_config(BASE) is BASE
+    padded = dataclasses.replace(big, sequence="padding")
+    assert backend_choice.measured_config(padded) is padded  # lengths are per batch

@@ -11,7 +11,9 @@ persistent cache (`fusedattn.plan_cache`, keyed by GPU model and library
 versions), and `explain()` prints the timings chosen by.
 
 Measuring costs one compilation and a few runs per rival, once per config and
-machine: about a second for a b4 s4096 h16 d128 step. ``FUSEDATTN_MEASURE=0``
+machine: about a second for a b4 s4096 h16 d128 step. A config beyond `MAX_ROWS`
+query rows is timed at a smaller batch (`measured_config`): a larger batch repeats
+the same tiles, and a sharded call's global batch need not fit on one device. ``FUSEDATTN_MEASURE=0``
 turns it off: the preference order decides (cudnn first). A measurement that
 fails (out of memory, a kernel error) is stated in the plan and the preference
 order decides.
@@ -79,6 +81,19 @@ def pick(timings: Sequence[Tuple[str, float, Optional[float]]], source: str) -> 
     return Choice(inference, training, tuple(timings), source)
 
 
+# Query rows (batch x query heads x s_q) a measurement times at most: b4 s4096 h32.
+MAX_ROWS = 1 << 19
+
+
+def measured_config(config: AttnConfig) -> AttnConfig:
+    """The config a measurement times: `config`, with its batch cut to stay within
+    MAX_ROWS query rows (dense configs without bias only, whose batch is only a count)."""
+    rows = config.h_q * config.s_q
+    if config.batch * rows <= MAX_ROWS or config.has_bias or config.sequence != "dense":
+        return config
+    return dataclasses.replace(config, batch=max(1, MAX_ROWS // rows))
+
+
 _choices: Dict[tuple, Choice] = {}
 _lock = threading.Lock()  # one measurement at a time: they share the GPU
 
@@ -103,9 +118,11 @@ def choose(config: AttnConfig, platform: str, candidates: Tuple[str, ...],
             found = pick([tuple(t) for t in stored], "persistent cache")
         else:
             t0 = time.perf_counter()
+            timed = measured_config(config)
             timings = [(name, 1e3 * fwd, None if step is None else 1e3 * step)
-                       for name, fwd, step in (measure or measure_on_device)(config, candidates)]
-            found = pick(timings, "measured now")
+                       for name, fwd, step in (measure or measure_on_device)(timed, candidates)]
+            found = pick(timings, "measured now" + (
+                f" at batch {timed.batch} of {config.batch}" if timed is not config else ""))
             log.info("fusedattn: %s: %s (%.2f s)", config.short(), found.describe(),
                      time.perf_counter() - t0)
             if disk_identity is not None:
