@@ -73,7 +73,7 @@ bool load_plan(CachedGraph& entry, cudnnHandle_t handle, const std::vector<uint8
 }
 
 std::string build_graph(CachedGraph& entry, std::string_view key, GraphKind kind, int device,
-                        const std::vector<uint8_t>& plan) {
+                        const std::vector<uint8_t>& plan, bool offer_plan) {
   AttnParams p;
   try {
     p = parse_params(key);
@@ -102,16 +102,17 @@ std::string build_graph(CachedGraph& entry, std::string_view key, GraphKind kind
   if (msg.empty()) msg = check(g->check_support(), "check_support");
   if (msg.empty()) msg = check(g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "build_plans");
   if (!msg.empty()) return msg;
-  // Plan only (no graph structure): what load_plan reads back.
-  std::string serialize_msg;
-  try {
-    serialize_msg = check(g->serialize(entry.plan, /*serialize_structure=*/false), "serialize");
-  } catch (const std::exception& e) {
-    serialize_msg = std::string("serialize: ") + e.what();
-  }
-  if (!serialize_msg.empty()) {
-    entry.plan.clear();
-    entry.plan_note += (entry.plan_note.empty() ? "" : "; ") + serialize_msg;
+  if (offer_plan) {  // plan only (no graph structure): what load_plan reads back
+    std::string serialize_msg;
+    try {
+      serialize_msg = check(g->serialize(entry.plan, /*serialize_structure=*/false), "serialize");
+    } catch (const std::exception& e) {
+      serialize_msg = std::string("serialize: ") + e.what();
+    }
+    if (!serialize_msg.empty()) {
+      entry.plan.clear();
+      entry.plan_note += (entry.plan_note.empty() ? "" : "; ") + serialize_msg;
+    }
   }
   return finish(entry, std::move(g));
 }
@@ -154,13 +155,13 @@ void GraphCache::evict_locked() {
 }
 
 std::shared_ptr<CachedGraph> GraphCache::get(int device, GraphKind kind, std::string_view key,
-                                             const std::vector<uint8_t>& plan) {
+                                             const std::vector<uint8_t>& plan, bool offer_plan) {
   auto entry = slot(prefix_ + std::to_string(device) + "|" +
                     std::to_string(static_cast<int>(kind)) + "|" + std::string(key));
   std::lock_guard<std::mutex> lock(entry->build_mutex);
   if (!entry->built) {
     auto t0 = std::chrono::steady_clock::now();
-    entry->error = build_graph(*entry, key, kind, device, plan);
+    entry->error = build_graph(*entry, key, kind, device, plan, offer_plan);
     if (!entry->error.empty())
       entry->error = std::string(kind_name(kind)) + " graph: " + entry->error;
     entry->build_seconds =

@@ -34,8 +34,9 @@ struct CachedGraph {
   bool host_copies = false;
   // Built from a serialized plan (persistent cache hit).
   bool from_plan = false;
-  // A fresh build's serialized plan (empty if the frontend cannot serialize it),
-  // and what went wrong with a plan handed in or with serializing, if anything.
+  // A fresh build's serialized plan, when the support probe asked for it (empty if
+  // the frontend cannot serialize it), and what went wrong with a plan handed in or
+  // with serializing, if anything.
   std::vector<uint8_t> plan;
   std::string plan_note;
 };
@@ -54,9 +55,11 @@ class GraphCache {
 
   // The entry for this key, built on first use by exactly one thread (any other
   // thread asking for it meanwhile waits for that build); thread-safe. `plan`, if
-  // not empty, is a serialized plan to build from.
+  // not empty, is a serialized plan to build from; with `offer_plan`, a build from
+  // scratch serializes its plan into the entry (for the support probe to store).
   std::shared_ptr<CachedGraph> get(int device, GraphKind kind, std::string_view key,
-                                   const std::vector<uint8_t>& plan = {});
+                                   const std::vector<uint8_t>& plan = {},
+                                   bool offer_plan = false);
 
   // At most `capacity` entries (>= 1) stay cached; the least recently used go.
   // An evicted graph that a compiled program still calls is rebuilt on its next call.

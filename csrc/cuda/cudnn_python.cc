@@ -9,8 +9,8 @@
 #include <chrono>
 #include <future>
 #include <memory>
-#include <string>
 #include <mutex>
+#include <string>
 #include <system_error>
 #include <vector>
 
@@ -34,7 +34,8 @@ namespace py = pybind11;
 std::array<std::shared_ptr<CachedGraph>, 3> get_all(
     int device, const std::string& key, const std::array<std::vector<uint8_t>, 3>& plans) {
   auto build = [device, &key, &plans](GraphKind kind) {
-    return GraphCache::instance().get(device, kind, key, plans[static_cast<int>(kind)]);
+    return GraphCache::instance().get(device, kind, key, plans[static_cast<int>(kind)],
+                                      /*offer_plan=*/true);
   };
   std::array<std::future<std::shared_ptr<CachedGraph>>, 2> others;
   for (size_t i = 0; i < others.size(); ++i) {
