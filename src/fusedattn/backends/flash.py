@@ -2,11 +2,12 @@
 package, ``pip install fusedattn[flash]``) for the configs they compute exactly as
 fusedattn's contract says.
 
-Why it exists: on H100 at head dim 128, FA3's backward is 8-14% faster than the
-plan cuDNN's heuristics pick (benchmarks/results/SUMMARY.md), while cuDNN leads
-at head dim 64 and FA3 stops at 128. With ``backend="auto"`` dispatch runs it only
-where cudnn runs the same config too and a measurement on this GPU says it is
-faster (`fusedattn.backend_choice`); ``backend="flash"`` forces it.
+Why it exists: on H100 with a causal mask at head dim 128, FA3 is 5-15% faster
+than the plans cuDNN's heuristics pick, forward and backward, while cuDNN leads at
+head dim 64 and FA3 stops at 128 (benchmarks/results/SUMMARY.md). With
+``backend="auto"`` dispatch runs it only where cudnn runs the same config too and
+a measurement on this GPU says it is faster (`fusedattn.backend_choice`);
+``backend="flash"`` forces it.
 
 It exposes the per-device `forward` / `backward` that `native_call` wraps, so it
 partitions over batch and heads by fusedattn's one rule, not by the package's own
