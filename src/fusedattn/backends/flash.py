@@ -2,7 +2,7 @@
 package, ``pip install fusedattn[flash]``) for the configs they compute exactly as
 fusedattn's contract says.
 
-Why it exists: on H100 with a causal mask at head dim 128, FA3 is 5-15% faster
+Why it exists: on H100 with a causal mask at head dim 128, FA3 is 11-18% faster
 than the plans cuDNN's heuristics pick, forward and backward, while cuDNN leads at
 head dim 64 and FA3 stops at 128 (benchmarks/results/SUMMARY.md). With
 ``backend="auto"`` dispatch runs it only where cudnn runs the same config too and
