@@ -165,6 +165,25 @@ def test_vmap_and_shard_map_keep_working():
                                rtol=1e-6, atol=1e-6)
 
 
+def test_a_partially_manual_shard_map_runs_the_call_per_manual_shard(partitioner):
+    """shard_map over dp with tp left automatic: the call skips custom_partitioning (it
+    would get no mesh, and GSPMD aborted the process on its sharding), runs per dp
+    shard, and gives the unsplit numbers under both partitioners."""
+    mesh = _mesh((2, 4), ("dp", "tp"))
+    q, k, v = (_normal(i, (4, 16, 8, 8)) for i in range(3))
+    f = _native(dict(mask="causal"))
+    sharded = [jax.device_put(x, NamedSharding(mesh, P("dp", None, "tp"))) for x in (q, k, v)]
+    g = jax.shard_map(f, mesh=mesh, in_specs=P("dp"), out_specs=P("dp"), axis_names={"dp"})
+    np.testing.assert_allclose(jax.jit(g)(*sharded), f(q, k, v), rtol=TOL, atol=TOL)
+
+    def loss(q, k, v):
+        return jnp.sum(g(q, k, v) ** 2)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*sharded)
+    want = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(got, ref, rtol=TOL, atol=TOL)
+
+
 def test_dropout_under_a_split_draws_the_documented_stream():
     """Each shard's dropout bits are the key's bits with the shard index folded in, so
     masks differ from the unsplit call's (XLA's own backend does not differ: its hash

@@ -25,7 +25,11 @@ and each amax a kernel returns is the max over the devices' shards (one scalar
 all-reduce), so it equals the unsplit call's.
 
 Under `shard_map` (every mesh axis manual) custom_partitioning inlines the
-call: it runs per device as written.
+call: it runs per device as written. Under a `shard_map` that leaves some mesh
+axes to the partitioner (``axis_names=`` a subset), custom_partitioning gets no
+mesh to name a split by (and GSPMD aborts the process on its sharding), so the
+call skips it: it runs per manual shard, and the partitioner gathers its operands
+over the axes left automatic.
 """
 from __future__ import annotations
 
@@ -204,8 +208,15 @@ def _call(backend: str, step: str, config: AttnConfig, operands, dims):
     assert len(in_dims) == len(flat), (len(in_dims), len(flat))
     out_dims, out_tree = _out_dims(step, config, operands, dims)
     op = _Op(backend, step, config, in_tree, in_dims, out_tree, out_dims)
-    outs = jax.custom_batching.sequential_vmap(functools.partial(_partitioned, op))(*flat)
+    call = _body if _partially_manual() else _partitioned
+    outs = jax.custom_batching.sequential_vmap(functools.partial(call, op))(*flat)
     return jax.tree_util.tree_unflatten(out_tree, list(outs))
+
+
+def _partially_manual() -> bool:
+    """Inside a shard_map that leaves some of the mesh's axes automatic?"""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and 0 < len(mesh.manual_axes) < len(mesh.axis_names)
 
 
 def _out_dims(step: str, config: AttnConfig, operands, dims):
