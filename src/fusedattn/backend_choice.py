@@ -145,17 +145,12 @@ def machine_identity() -> dict:
     could change a timing."""
     import jax  # noqa: PLC0415
 
-    from .backends import native  # noqa: PLC0415
+    from .backends import flash, native  # noqa: PLC0415
     versions = native.versions()
-    try:
-        from importlib.metadata import version  # noqa: PLC0415
-        flash = version("flash-attn3-jax")
-    except Exception:  # not installed: the flash rival is then never usable anyway
-        flash = None
     return {"gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
             "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
             "cudnn": versions.get("cudnn"), "cudnn_frontend": versions.get("cudnn_frontend"),
-            "flash_attn3_jax": flash}
+            "flash_attn3_jax": flash.package_version()}
 
 
 def clear() -> None:

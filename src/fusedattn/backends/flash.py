@@ -98,17 +98,18 @@ def training_reason(config: AttnConfig) -> Optional[str]:
     """Why flash must not run this config's backward (None: it may)."""
     if _mask_args(config)["is_causal"]:
         return None
-    return (f"flash-attn3-jax {_package_version()}'s backward returns NaN / wrong gradients "
-            f"without its causal mask (measured against the float64 oracle on H100), so "
-            f"flash runs only the forward of this config")
+    return (f"flash-attn3-jax {package_version() or '(not installed)'}'s backward returns "
+            f"NaN / wrong gradients without its causal mask (measured against the float64 "
+            f"oracle on H100), so flash runs only the forward of this config")
 
 
-def _package_version() -> str:
+def package_version() -> Optional[str]:
+    """The installed flash-attn3-jax version, None when it is absent."""
     try:
         from importlib.metadata import version  # noqa: PLC0415
         return version("flash-attn3-jax")
     except Exception:  # not installed
-        return "(not installed)"
+        return None
 
 
 def _mask_args(config: AttnConfig):
