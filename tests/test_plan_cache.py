@@ -117,8 +117,9 @@ class FakeNative:
     def cudnn_set_cache_capacity(self, n):
         self.capacity = n
 
-    def cudnn_check_support(self, key, plans):
+    def cudnn_check_support(self, key, plans, autotune=False):
         self.given.append(dict(plans))
+        self.autotune = autotune
         fresh = {g: f"plan of {g} for {key}".encode() for g in cudnn.GRAPHS if g not in plans}
         return {"ok": True, "message": "", "workspace": {g: 16 for g in cudnn.GRAPHS},
                 "from_plan": {g: g in plans for g in cudnn.GRAPHS}, "plans": fresh,
@@ -164,3 +165,53 @@ def test_graph_cache_size_setting(monkeypatch):
     monkeypatch.setenv(cudnn_probe.ENV_GRAPH_CACHE_SIZE, "many")
     with pytest.raises(ValueError, match="FUSEDATTN_GRAPH_CACHE_SIZE must be an int"):
         cudnn_probe._apply_graph_cache_size(fake)
+
+
+# ---- plan autotuning's switch -----------------------------------------------------
+@pytest.fixture
+def autotune_unset(monkeypatch):
+    monkeypatch.delenv(cudnn_probe.ENV_AUTOTUNE, raising=False)
+    cudnn_probe.set_autotune(None)
+    yield
+    cudnn_probe.set_autotune(None)
+
+
+def test_autotune_switch(autotune_unset, monkeypatch):
+    assert cudnn_probe.autotune_enabled() is cudnn_probe.AUTOTUNE_DEFAULT
+    monkeypatch.setenv(cudnn_probe.ENV_AUTOTUNE, "1")
+    assert cudnn_probe.autotune_enabled()
+    cudnn.set_autotune(False)  # the call wins over the environment
+    assert not cudnn_probe.autotune_enabled()
+    cudnn.set_autotune(None)
+    monkeypatch.setenv(cudnn_probe.ENV_AUTOTUNE, "yes")
+    with pytest.raises(ValueError, match="FUSEDATTN_AUTOTUNE must be 0 or 1"):
+        cudnn_probe.autotune_enabled()
+    with pytest.raises(TypeError, match="enabled must be a bool or None"):
+        cudnn.set_autotune("on")
+
+
+def test_autotuned_plans_are_stored_apart_from_the_heuristics_ones(cache_dir, autotune_unset):
+    cudnn.set_autotune(False)
+    heuristic = FakeNative()
+    cudnn_probe._check_support(heuristic, "key-t")
+    assert heuristic.autotune is False
+    cudnn.set_autotune(True)
+    tuned = FakeNative()
+    cudnn_probe._check_support(tuned, "key-t")
+    # The heuristics' plans are not handed to a tuning probe: it times every plan.
+    assert tuned.given == [{}] and tuned.autotune is True
+    again = FakeNative()
+    cudnn_probe._check_support(again, "key-t")  # a later process: the tuned plans load
+    assert set(again.given[0]) == set(cudnn.GRAPHS)
+
+
+def test_probe_describes_each_graphs_plan():
+    tuned = {"plans": 3, "chosen": "eng1_k2=5", "chosen_ms": 1.5, "heuristic": "eng0",
+             "heuristic_ms": 1.75, "note": ""}
+    probe = cudnn_probe.Probe(True, "", plan_names=("eng0", "eng0", "eng1_k2=5"),
+                              from_plan=(True, False, False), tuning=(None, None, tuned))
+    text = probe.describe()
+    assert "forward_inference: eng0 (stored plan)" in text
+    assert "forward_training: eng0 (heuristics' first plan)" in text
+    assert "backward: eng1_k2=5 (autotuned among 3: 1.500 ms, heuristics' eng0 1.750 ms)" in text
+    assert cudnn_probe.Probe(False, "no engine").describe() == ""

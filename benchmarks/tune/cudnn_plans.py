@@ -11,6 +11,7 @@ one line per plan: index, name, ms, TFLOP/s (BF16 FLOP count, causal halved).
 from __future__ import annotations
 
 import argparse
+import time
 
 import cudnn
 import cupy as cp
@@ -33,7 +34,10 @@ def _scalar_out(t):
     t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(DT.FLOAT)
 
 
-def build(kind, fp8, causal, b, s, h, d, handle):
+def build(kind, fp8, causal, b, s, h, d, handle, modes=None, policy=None, timings=None):
+    """The graph, its variant pack and the buffers behind it. `modes` (heuristic modes,
+    default A and FALLBACK) and `policy` (default: build every plan) as cudnn-frontend
+    takes them; `timings`, if a dict, gets each build stage's seconds."""
     io = DT.FP8_E4M3 if fp8 else DT.BFLOAT16
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=DT.FLOAT,
                       compute_data_type=DT.FLOAT, handle=handle)
@@ -71,11 +75,16 @@ def build(kind, fp8, causal, b, s, h, d, handle):
         for t in (dq, dk, dv):
             _out(t, dims, io)
         tensors += [dq, dk, dv]
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    g.check_support()
-    g.build_plans(cudnn.build_plan_policy.ALL)
+    stages = (("validate", g.validate), ("build_operation_graph", g.build_operation_graph),
+              ("create_execution_plans", lambda: g.create_execution_plans(
+                  modes or [cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])),
+              ("check_support", g.check_support),
+              ("build_plans", lambda: g.build_plans(policy or cudnn.build_plan_policy.ALL)))
+    for stage, run in stages:
+        t0 = time.perf_counter()
+        run()
+        if timings is not None:
+            timings[stage] = time.perf_counter() - t0
     elements = b * s * h * d
     pack = {}
     keep = []

@@ -63,6 +63,7 @@ bool load_plan(CachedGraph& entry, cudnnHandle_t handle, const std::vector<uint8
     if (retry.empty()) entry.plan_note = "warmup after loading failed (" + msg + "); loaded without it";
     msg = retry;
   }
+  if (msg.empty()) (void)g->get_plan_name(entry.plan_name);
   if (msg.empty()) msg = finish(entry, std::move(g));
   if (!msg.empty()) {
     entry.plan_note = "stored plan not used (" + msg + "); built from scratch";
@@ -73,7 +74,7 @@ bool load_plan(CachedGraph& entry, cudnnHandle_t handle, const std::vector<uint8
 }
 
 std::string build_graph(CachedGraph& entry, std::string_view key, GraphKind kind, int device,
-                        const std::vector<uint8_t>& plan, bool offer_plan) {
+                        const BuildRequest& request) {
   AttnParams p;
   try {
     p = parse_params(key);
@@ -88,7 +89,7 @@ std::string build_graph(CachedGraph& entry, std::string_view key, GraphKind kind
   // handle has.
   if (cudnnStatus_t s = cudnnSetStream(handle.get(), nullptr); s != CUDNN_STATUS_SUCCESS)
     return std::string("cudnnSetStream: ") + cudnnGetErrorString(s);
-  if (!plan.empty() && load_plan(entry, handle.get(), plan)) return {};
+  if (!request.plan.empty() && load_plan(entry, handle.get(), request.plan)) return {};
   std::shared_ptr<fe::graph::Graph> g;
   try {
     g = make_graph(p, kind);
@@ -99,10 +100,22 @@ std::string build_graph(CachedGraph& entry, std::string_view key, GraphKind kind
   if (msg.empty()) msg = check(g->build_operation_graph(handle.get()), "build_operation_graph");
   if (msg.empty()) msg = check(g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}),
                                "create_execution_plans");
+  // The graph asks cuDNN for a deterministic backward; plans that still say they are
+  // not deterministic are not candidates (heuristics' or autotuning's).
+  if (msg.empty() && p.deterministic)
+    g->deselect_numeric_notes({fe::NumericalNote_t::NONDETERMINISTIC});
   if (msg.empty()) msg = check(g->check_support(), "check_support");
-  if (msg.empty()) msg = check(g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "build_plans");
+  if (msg.empty() && request.autotune) {
+    msg = autotune(*g, handle.get(), p, entry.tuning);
+    entry.autotuned = msg.empty();
+  } else if (msg.empty()) {
+    msg = check(g->build_plans(fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "build_plans");
+  }
   if (!msg.empty()) return msg;
-  if (offer_plan) {  // plan only (no graph structure): what load_plan reads back
+  (void)g->get_plan_name(entry.plan_name);
+  // Plan only (no graph structure): what load_plan reads back. An autotuned plan is
+  // always kept, for a rebuild after eviction.
+  if (request.offer_plan || entry.autotuned) {
     std::string serialize_msg;
     try {
       serialize_msg = check(g->serialize(entry.plan, /*serialize_structure=*/false), "serialize");
@@ -155,13 +168,25 @@ void GraphCache::evict_locked() {
 }
 
 std::shared_ptr<CachedGraph> GraphCache::get(int device, GraphKind kind, std::string_view key,
-                                             const std::vector<uint8_t>& plan, bool offer_plan) {
-  auto entry = slot(prefix_ + std::to_string(device) + "|" +
-                    std::to_string(static_cast<int>(kind)) + "|" + std::string(key));
+                                             const BuildRequest& request) {
+  std::string full_key = prefix_ + std::to_string(device) + "|" +
+                         std::to_string(static_cast<int>(kind)) + "|" + std::string(key);
+  auto entry = slot(full_key);
   std::lock_guard<std::mutex> lock(entry->build_mutex);
   if (!entry->built) {
+    const BuildRequest* use = &request;
+    BuildRequest remembered;
+    if (request.plan.empty()) {  // an evicted entry: the plan it ran before
+      std::lock_guard<std::mutex> map_lock(mutex_);
+      auto found = kept_plans_.find(full_key);
+      if (found != kept_plans_.end()) {
+        remembered = request;
+        remembered.plan = found->second;
+        use = &remembered;
+      }
+    }
     auto t0 = std::chrono::steady_clock::now();
-    entry->error = build_graph(*entry, key, kind, device, plan, offer_plan);
+    entry->error = build_graph(*entry, key, kind, device, *use);
     if (!entry->error.empty())
       entry->error = std::string(kind_name(kind)) + " graph: " + entry->error;
     entry->build_seconds =
@@ -170,6 +195,8 @@ std::shared_ptr<CachedGraph> GraphCache::get(int device, GraphKind kind, std::st
     std::lock_guard<std::mutex> stats_lock(mutex_);
     ++stats_.builds;
     if (entry->from_plan) ++stats_.from_plans;
+    if (entry->autotuned && !entry->plan.empty()) kept_plans_[full_key] = entry->plan;
+    else if (entry->from_plan) kept_plans_[full_key] = use->plan;
   }
   return entry;
 }

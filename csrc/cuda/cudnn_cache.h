@@ -6,7 +6,10 @@
 // persistent plan cache (fusedattn/plan_cache.py) hands in: deserializing skips
 // cuDNN's heuristics and kernel compilation. A plan that fails to load is reported
 // and the entry is built from scratch; a fresh build offers its serialized plan
-// back for Python to store.
+// back for Python to store. A fresh build either takes the plan cuDNN's heuristics
+// rank first or, autotuned, the fastest of all plans (cudnn_autotune.h); an
+// autotuned or loaded entry's plan is remembered past eviction, so a rebuild runs
+// the same plan with the same workspace.
 #pragma once
 
 #include <cstdint>
@@ -18,6 +21,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cudnn_autotune.h"
 #include "cudnn_graph.h"
 
 namespace fusedattn::cudnn_attn {
@@ -39,6 +43,16 @@ struct CachedGraph {
   // with serializing, if anything.
   std::vector<uint8_t> plan;
   std::string plan_note;
+  std::string plan_name;  // the plan execute() runs (cudnn-frontend's name)
+  bool autotuned = false;
+  TuneReport tuning;      // when autotuned
+};
+
+// How to build an entry that is not cached yet.
+struct BuildRequest {
+  std::vector<uint8_t> plan;  // a serialized plan to build from, if not empty
+  bool offer_plan = false;    // a fresh build serializes its plan into the entry
+  bool autotune = false;      // a fresh build times every plan (cudnn_autotune.h)
 };
 
 struct CacheStats {
@@ -54,12 +68,10 @@ class GraphCache {
   static GraphCache& instance();
 
   // The entry for this key, built on first use by exactly one thread (any other
-  // thread asking for it meanwhile waits for that build); thread-safe. `plan`, if
-  // not empty, is a serialized plan to build from; with `offer_plan`, a build from
-  // scratch serializes its plan into the entry (for the support probe to store).
+  // thread asking for it meanwhile waits for that build, whatever it requests);
+  // thread-safe.
   std::shared_ptr<CachedGraph> get(int device, GraphKind kind, std::string_view key,
-                                   const std::vector<uint8_t>& plan = {},
-                                   bool offer_plan = false);
+                                   const BuildRequest& request = {});
 
   // At most `capacity` entries (>= 1) stay cached; the least recently used go.
   // An evicted graph that a compiled program still calls is rebuilt on its next call.
@@ -79,6 +91,9 @@ class GraphCache {
   std::mutex mutex_;  // guards what follows
   std::unordered_map<std::string, Slot> entries_;
   std::list<std::string> recency_;  // most recently used first
+  // The serialized plan of each entry that may not run the heuristics' plan
+  // (autotuned, or loaded from a stored plan), kept past eviction (a few KB each).
+  std::unordered_map<std::string, std::vector<uint8_t>> kept_plans_;
   CacheStats stats_;
 };
 

@@ -34,6 +34,8 @@ ffi::Error parse_key(std::string_view key, AttnParams& p) {
   return ffi::Error::Success();
 }
 
+namespace {
+
 ffi::Error bind_next(Cursor<ffi::RemainingArgs>& args, Bindings& b, Uid uid) {
   auto buf = args.next<ffi::AnyBuffer>();
   if (buf.has_error()) return buf.error();
@@ -76,6 +78,39 @@ ffi::Error bind_qkv(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindi
   return ffi::Error::Success();
 }
 
+ffi::Error check_all_used(size_t used, size_t given, const char* what) {
+  if (used == given) return ffi::Error::Success();
+  return ffi_error(std::string("expected ") + std::to_string(used) + " " + what + ", got " +
+                   std::to_string(given));
+}
+
+}  // namespace
+
+ffi::Error bind_inputs(const AttnParams& p, GraphKind kind, Cursor<ffi::RemainingArgs>& args,
+                       Bindings& b) {
+  if (auto e = bind_qkv(p, args, b); e.failure()) return e;
+  if (kind == GraphKind::kBackward)
+    for (Uid u : {kO, kdO, kStats})
+      if (auto e = bind_next(args, b, u); e.failure()) return e;
+  return bind_aux_inputs(p, args, b);
+}
+
+ffi::Error bind_output(const AttnParams& p, Cursor<ffi::RemainingRets>& rets, Bindings& b,
+                       Uid uid) {
+  auto out = rets.next<ffi::AnyBuffer>();
+  if (out.has_error()) return out.error();
+  b.pointers[uid] = (*out)->untyped_data();
+  if (p.has_seq_lens()) b.zero_first.emplace_back((*out)->untyped_data(), (*out)->size_bytes());
+  return ffi::Error::Success();
+}
+
+ffi::Error bind_stats(Cursor<ffi::RemainingRets>& rets, Bindings& b) {
+  auto stats = rets.next<ffi::AnyBuffer>();
+  if (stats.has_error()) return stats.error();
+  b.pointers[kStats] = (*stats)->untyped_data();
+  return ffi::Error::Success();
+}
+
 ffi::Error bind_slots(void* base, size_t size_bytes, const Uid* uids, size_t n, Bindings& b) {
   const size_t row = kFp8SlotFloats * sizeof(float);
   if (size_bytes < n * row)
@@ -84,6 +119,8 @@ ffi::Error bind_slots(void* base, size_t size_bytes, const Uid* uids, size_t n, 
   for (size_t i = 0; i < n; ++i) b.pointers[uids[i]] = static_cast<char*>(base) + i * row;
   return ffi::Error::Success();
 }
+
+namespace {
 
 ffi::Error run_graph(cudaStream_t stream, int device, GraphKind kind, std::string_view key,
                      Bindings& b, ffi::Result<ffi::AnyBuffer> workspace, Target target) {
@@ -118,10 +155,16 @@ ffi::Error run_graph(cudaStream_t stream, int device, GraphKind kind, std::strin
   return ffi::Error::Success();
 }
 
-ffi::Error check_all_used(size_t used, size_t given, const char* what) {
-  if (used == given) return ffi::Error::Success();
-  return ffi_error(std::string("expected ") + std::to_string(used) + " " + what + ", got " +
-                   std::to_string(given));
+}  // namespace
+
+ffi::Error run_bound(cudaStream_t stream, int device, GraphKind kind, std::string_view key,
+                     Bindings& b, const Cursor<ffi::RemainingArgs>& args,
+                     Cursor<ffi::RemainingRets>& rets, Target target) {
+  if (auto e = check_all_used(args.used(), args.size(), "inputs"); e.failure()) return e;
+  auto workspace = rets.next<ffi::AnyBuffer>();
+  if (workspace.has_error()) return workspace.error();
+  if (auto e = check_all_used(rets.used(), rets.size(), "outputs"); e.failure()) return e;
+  return run_graph(stream, device, kind, key, b, *workspace, target);
 }
 
 namespace {
@@ -129,30 +172,17 @@ namespace {
 ffi::Error forward_impl(cudaStream_t stream, int32_t device, std::string_view key,
                         int64_t training, ffi::RemainingArgs args, ffi::RemainingRets rets,
                         Target target) {
+  const GraphKind kind = training ? GraphKind::kForwardTraining : GraphKind::kForwardInference;
   AttnParams p;
   if (auto e = parse_key(key, p); e.failure()) return e;
   Bindings b;
   Cursor<ffi::RemainingArgs> in(args);
-  if (auto e = bind_qkv(p, in, b); e.failure()) return e;
-  if (auto e = bind_aux_inputs(p, in, b); e.failure()) return e;
-  if (auto e = check_all_used(in.used(), args.size(), "inputs"); e.failure()) return e;
-
+  if (auto e = bind_inputs(p, kind, in, b); e.failure()) return e;
   Cursor<ffi::RemainingRets> out(rets);
-  auto o = out.next<ffi::AnyBuffer>();
-  if (o.has_error()) return o.error();
-  b.pointers[kO] = (*o)->untyped_data();
-  if (p.has_seq_lens()) b.zero_first.emplace_back((*o)->untyped_data(), (*o)->size_bytes());
-  if (training) {
-    auto stats = out.next<ffi::AnyBuffer>();
-    if (stats.has_error()) return stats.error();
-    b.pointers[kStats] = (*stats)->untyped_data();
-  }
-  auto workspace = out.next<ffi::AnyBuffer>();
-  if (workspace.has_error()) return workspace.error();
-  if (auto e = check_all_used(out.used(), rets.size(), "outputs"); e.failure()) return e;
-  return run_graph(stream, device,
-                   training ? GraphKind::kForwardTraining : GraphKind::kForwardInference, key, b,
-                   *workspace, target);
+  if (auto e = bind_output(p, out, b, kO); e.failure()) return e;
+  if (training)
+    if (auto e = bind_stats(out, b); e.failure()) return e;
+  return run_bound(stream, device, kind, key, b, in, out, target);
 }
 
 ffi::Error backward_impl(cudaStream_t stream, int32_t device, std::string_view key,
@@ -161,11 +191,7 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, std::string_view k
   if (auto e = parse_key(key, p); e.failure()) return e;
   Bindings b;
   Cursor<ffi::RemainingArgs> in(args);
-  if (auto e = bind_qkv(p, in, b); e.failure()) return e;
-  for (Uid u : {kO, kdO, kStats})
-    if (auto e = bind_next(in, b, u); e.failure()) return e;
-  if (auto e = bind_aux_inputs(p, in, b); e.failure()) return e;
-  if (auto e = check_all_used(in.used(), args.size(), "inputs"); e.failure()) return e;
+  if (auto e = bind_inputs(p, GraphKind::kBackward, in, b); e.failure()) return e;
 
   // Gradients mirror the input buffers (a packed qkv input gets a packed dqkv).
   Cursor<ffi::RemainingRets> out(rets);
@@ -192,10 +218,7 @@ ffi::Error backward_impl(cudaStream_t stream, int32_t device, std::string_view k
     if (g.has_error()) return g.error();
     b.pointers[kdSink] = (*g)->untyped_data();
   }
-  auto workspace = out.next<ffi::AnyBuffer>();
-  if (workspace.has_error()) return workspace.error();
-  if (auto e = check_all_used(out.used(), rets.size(), "outputs"); e.failure()) return e;
-  return run_graph(stream, device, GraphKind::kBackward, key, b, *workspace, target);
+  return run_bound(stream, device, GraphKind::kBackward, key, b, in, out, target);
 }
 
 // Two targets per direction.

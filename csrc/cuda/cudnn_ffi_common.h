@@ -31,6 +31,7 @@ class Cursor {
   template <typename T>
   auto next() { return r_.template get<T>(i_++); }
   size_t used() const { return i_; }
+  size_t size() const { return r_.size(); }
  private:
   const Remaining& r_;
   size_t i_ = 0;
@@ -50,20 +51,24 @@ enum class Target { kCommandBuffer, kPlain };
 
 // The key attribute -> AttnParams, or an FFI error with the parser's message.
 ffi::Error parse_key(std::string_view key, AttnParams& p);
-// The next argument, bound to `uid`.
-ffi::Error bind_next(Cursor<ffi::RemainingArgs>& args, Bindings& b, Uid uid);
-// Auxiliary inputs after the main tensors: bias, sequence lengths, ragged
-// offsets, dropout seed / offset, sink, a lowered score_mod's static inputs, as
-// the key says.
-ffi::Error bind_aux_inputs(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindings& b);
-// q, k, v from one, two or three buffers, at the offsets the packing implies.
-ffi::Error bind_qkv(const AttnParams& p, Cursor<ffi::RemainingArgs>& args, Bindings& b);
+// The inputs every handler takes first, in Python's order: q, k, v from one, two or
+// three buffers (at the offsets the packing implies); for the backward o, dO and the
+// stats; then the auxiliary inputs the key asks for (bias, sequence lengths, ragged
+// offsets, dropout seed / offset, sink, a lowered score_mod's static inputs).
+ffi::Error bind_inputs(const AttnParams& p, GraphKind kind, Cursor<ffi::RemainingArgs>& args,
+                       Bindings& b);
+// The next output, bound to `uid`; zeroed first when padding leaves part of it unwritten.
+ffi::Error bind_output(const AttnParams& p, Cursor<ffi::RemainingRets>& rets, Bindings& b,
+                       Uid uid);
+// A training forward's fp32 log-sum-exp output.
+ffi::Error bind_stats(Cursor<ffi::RemainingRets>& rets, Bindings& b);
 // `uids[i]` bound to row i of a [n, kFp8SlotFloats] fp32 buffer (FP8 scales, amaxes).
 ffi::Error bind_slots(void* base, size_t size_bytes, const Uid* uids, size_t n, Bindings& b);
-ffi::Error check_all_used(size_t used, size_t given, const char* what);
-// Looks up the graph of (device, kind, key), checks the workspace, zeroes what
-// `b.zero_first` lists and executes the graph on `stream`.
-ffi::Error run_graph(cudaStream_t stream, int device, GraphKind kind, std::string_view key,
-                     Bindings& b, ffi::Result<ffi::AnyBuffer> workspace, Target target);
+// Once a handler has bound its inputs and outputs: the workspace (the last output),
+// a check that no argument or result is left over, then the graph of (device, kind,
+// key) looked up, `b.zero_first` zeroed and the graph executed on `stream`.
+ffi::Error run_bound(cudaStream_t stream, int device, GraphKind kind, std::string_view key,
+                     Bindings& b, const Cursor<ffi::RemainingArgs>& args,
+                     Cursor<ffi::RemainingRets>& rets, Target target);
 
 }  // namespace fusedattn::cudnn_attn

@@ -34,16 +34,6 @@ ffi::Error bind_amaxes(Cursor<ffi::RemainingRets>& rets, const std::array<Uid, N
   return bind_slots((*amax)->untyped_data(), (*amax)->size_bytes(), uids.data(), N, b);
 }
 
-// An output bound to `uid`; zeroed first when padding leaves part of it unwritten.
-ffi::Error bind_output(const AttnParams& p, Cursor<ffi::RemainingRets>& rets, Bindings& b,
-                       Uid uid) {
-  auto out = rets.next<ffi::AnyBuffer>();
-  if (out.has_error()) return out.error();
-  b.pointers[uid] = (*out)->untyped_data();
-  if (p.has_seq_lens()) b.zero_first.emplace_back((*out)->untyped_data(), (*out)->size_bytes());
-  return ffi::Error::Success();
-}
-
 ffi::Error check_fp8(const AttnParams& p) {
   if (!p.fp8) return ffi_error("an FP8 target got a key without fp8=1");
   if (p.packing != Packing::kSeparate || p.packed() || p.has_bias() || p.has_dropout() ||
@@ -52,61 +42,47 @@ ffi::Error check_fp8(const AttnParams& p) {
   return ffi::Error::Success();
 }
 
-ffi::Error fp8_forward(cudaStream_t stream, int32_t device, std::string_view key,
-                       int64_t training, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  static HandlerCounts& counts = HandlerCountRegistry::instance().counts("fusedattn_cudnn_fp8_fwd");
-  note_call(counts, stream_is_capturing(stream));
+// Both directions: the common inputs, the scales, the outputs `bind_outputs` binds
+// (everything but the workspace), then the graph.
+template <typename BindOutputs>
+ffi::Error fp8_call(cudaStream_t stream, int32_t device, std::string_view key, GraphKind kind,
+                    ffi::RemainingArgs args, ffi::RemainingRets rets, BindOutputs bind_outputs) {
   AttnParams p;
   if (auto e = parse_key(key, p); e.failure()) return e;
   if (auto e = check_fp8(p); e.failure()) return e;
   Bindings b;
   Cursor<ffi::RemainingArgs> in(args);
-  if (auto e = bind_qkv(p, in, b); e.failure()) return e;
-  if (auto e = bind_aux_inputs(p, in, b); e.failure()) return e;
+  if (auto e = bind_inputs(p, kind, in, b); e.failure()) return e;
   if (auto e = bind_scales(in, b); e.failure()) return e;
-  if (auto e = check_all_used(in.used(), args.size(), "inputs"); e.failure()) return e;
-
   Cursor<ffi::RemainingRets> out(rets);
-  if (auto e = bind_output(p, out, b, kO); e.failure()) return e;
-  if (training) {
-    auto stats = out.next<ffi::AnyBuffer>();
-    if (stats.has_error()) return stats.error();
-    b.pointers[kStats] = (*stats)->untyped_data();
-  }
-  if (auto e = bind_amaxes(out, kFp8ForwardAmaxes, b); e.failure()) return e;
-  auto workspace = out.next<ffi::AnyBuffer>();
-  if (workspace.has_error()) return workspace.error();
-  if (auto e = check_all_used(out.used(), rets.size(), "outputs"); e.failure()) return e;
-  return run_graph(stream, device,
-                   training ? GraphKind::kForwardTraining : GraphKind::kForwardInference, key, b,
-                   *workspace, Target::kCommandBuffer);
+  if (auto e = bind_outputs(p, out, b); e.failure()) return e;
+  return run_bound(stream, device, kind, key, b, in, out, Target::kCommandBuffer);
+}
+
+ffi::Error fp8_forward(cudaStream_t stream, int32_t device, std::string_view key,
+                       int64_t training, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  static HandlerCounts& counts = HandlerCountRegistry::instance().counts("fusedattn_cudnn_fp8_fwd");
+  note_call(counts, stream_is_capturing(stream));
+  const GraphKind kind = training ? GraphKind::kForwardTraining : GraphKind::kForwardInference;
+  return fp8_call(stream, device, key, kind, args, rets,
+                  [training](const AttnParams& p, Cursor<ffi::RemainingRets>& out, Bindings& b) {
+                    if (auto e = bind_output(p, out, b, kO); e.failure()) return e;
+                    if (training)
+                      if (auto e = bind_stats(out, b); e.failure()) return e;
+                    return bind_amaxes(out, kFp8ForwardAmaxes, b);
+                  });
 }
 
 ffi::Error fp8_backward(cudaStream_t stream, int32_t device, std::string_view key,
                         ffi::RemainingArgs args, ffi::RemainingRets rets) {
   static HandlerCounts& counts = HandlerCountRegistry::instance().counts("fusedattn_cudnn_fp8_bwd");
   note_call(counts, stream_is_capturing(stream));
-  AttnParams p;
-  if (auto e = parse_key(key, p); e.failure()) return e;
-  if (auto e = check_fp8(p); e.failure()) return e;
-  Bindings b;
-  Cursor<ffi::RemainingArgs> in(args);
-  if (auto e = bind_qkv(p, in, b); e.failure()) return e;
-  for (Uid u : {kO, kdO, kStats})
-    if (auto e = bind_next(in, b, u); e.failure()) return e;
-  if (auto e = bind_aux_inputs(p, in, b); e.failure()) return e;
-  if (auto e = bind_scales(in, b); e.failure()) return e;
-  if (auto e = check_all_used(in.used(), args.size(), "inputs"); e.failure()) return e;
-
-  Cursor<ffi::RemainingRets> out(rets);
-  for (Uid u : {kdQ, kdK, kdV})
-    if (auto e = bind_output(p, out, b, u); e.failure()) return e;
-  if (auto e = bind_amaxes(out, kFp8BackwardAmaxes, b); e.failure()) return e;
-  auto workspace = out.next<ffi::AnyBuffer>();
-  if (workspace.has_error()) return workspace.error();
-  if (auto e = check_all_used(out.used(), rets.size(), "outputs"); e.failure()) return e;
-  return run_graph(stream, device, GraphKind::kBackward, key, b, *workspace,
-                   Target::kCommandBuffer);
+  return fp8_call(stream, device, key, GraphKind::kBackward, args, rets,
+                  [](const AttnParams& p, Cursor<ffi::RemainingRets>& out, Bindings& b) {
+                    for (Uid u : {kdQ, kdK, kdV})
+                      if (auto e = bind_output(p, out, b, u); e.failure()) return e;
+                    return bind_amaxes(out, kFp8BackwardAmaxes, b);
+                  });
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CudnnFp8AttentionForward, fp8_forward,

@@ -31,11 +31,10 @@ namespace py = pybind11;
 // device's pool, so these short-lived threads leave nothing behind). The cache
 // still lets exactly one thread build an entry: a second probe of the same key
 // waits for the first one's builds. Returns when all three are done.
-std::array<std::shared_ptr<CachedGraph>, 3> get_all(
-    int device, const std::string& key, const std::array<std::vector<uint8_t>, 3>& plans) {
-  auto build = [device, &key, &plans](GraphKind kind) {
-    return GraphCache::instance().get(device, kind, key, plans[static_cast<int>(kind)],
-                                      /*offer_plan=*/true);
+std::array<std::shared_ptr<CachedGraph>, 3> get_all(int device, const std::string& key,
+                                                     const std::array<BuildRequest, 3>& requests) {
+  auto build = [device, &key, &requests](GraphKind kind) {
+    return GraphCache::instance().get(device, kind, key, requests[static_cast<int>(kind)]);
   };
   std::array<std::future<std::shared_ptr<CachedGraph>>, 2> others;
   for (size_t i = 0; i < others.size(); ++i) {
@@ -54,9 +53,22 @@ std::array<std::shared_ptr<CachedGraph>, 3> get_all(
   return entries;
 }
 
+// What autotuning found for a graph, for Python.
+py::dict tuning_dict(const TuneReport& r) {
+  py::dict d;
+  d["plans"] = r.plans;
+  d["chosen"] = r.chosen;
+  d["chosen_ms"] = r.chosen_ms;
+  d["heuristic"] = r.heuristic;
+  d["heuristic_ms"] = r.heuristic_ms;
+  d["note"] = r.note;
+  return d;
+}
+
 // Builds (or finds) the three graphs of `key` on the current device; `plans` maps a
-// graph name ("forward_inference", ...) to a serialized plan to build it from.
-py::dict check_support(const std::string& key, const py::dict& plans) {
+// graph name ("forward_inference", ...) to a serialized plan to build it from; with
+// `autotune`, a graph built from scratch runs the fastest of its plans.
+py::dict check_support(const std::string& key, const py::dict& plans, bool autotune) {
   py::dict result;
   int device = 0;
   if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) {
@@ -64,29 +76,34 @@ py::dict check_support(const std::string& key, const py::dict& plans) {
     result["message"] = std::string("no CUDA device: ") + cudaGetErrorString(e);
     return result;
   }
-  std::array<std::vector<uint8_t>, 3> given;
+  std::array<BuildRequest, 3> requests;
   for (size_t i = 0; i < kKinds.size(); ++i) {
     const char* name = kind_key(kKinds[i]);
     if (plans.contains(name)) {
       std::string bytes = plans[name].cast<py::bytes>();
-      given[i].assign(bytes.begin(), bytes.end());
+      requests[i].plan.assign(bytes.begin(), bytes.end());
     }
+    requests[i].offer_plan = true;
+    requests[i].autotune = autotune;
   }
   std::array<std::shared_ptr<CachedGraph>, 3> entries;
   double wall_seconds = 0;
   {
     py::gil_scoped_release release;  // building takes a while; let other threads run
     const auto t0 = std::chrono::steady_clock::now();
-    entries = get_all(device, key, given);
+    entries = get_all(device, key, requests);
     wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   std::string message;
-  py::dict workspace, build_seconds, host_copies, from_plan, new_plans, plan_notes;
+  py::dict workspace, build_seconds, host_copies, from_plan, new_plans, plan_notes, plan_names,
+      tuning;
   for (size_t i = 0; i < kKinds.size(); ++i) {
     const char* name = kind_key(kKinds[i]);
     const auto& entry = entries[i];
     build_seconds[name] = entry->build_seconds;
     from_plan[name] = entry->from_plan;
+    plan_names[name] = entry->plan_name;
+    if (entry->autotuned) tuning[name] = tuning_dict(entry->tuning);
     std::vector<uint8_t> plan;
     {
       std::lock_guard<std::mutex> lock(entry->build_mutex);
@@ -111,6 +128,8 @@ py::dict check_support(const std::string& key, const py::dict& plans) {
   result["from_plan"] = from_plan;    // per graph: built from a plan handed in
   result["plans"] = new_plans;        // per graph: a fresh build's serialized plan
   result["plan_notes"] = plan_notes;  // per graph: a plan not used, or not serializable
+  result["plan_names"] = plan_names;  // per graph: the plan its execute runs
+  result["tuning"] = tuning;          // per autotuned graph: what timing its plans found
   result["device"] = device;
   return result;
 }
@@ -188,11 +207,14 @@ py::dict versions() {
 
 FUSEDATTN_MODULE_INIT(cudnn_attention) {
   m.def("cudnn_check_support", &check_support, py::arg("key"), py::arg("plans") = py::dict(),
+        py::arg("autotune") = false,
         "Build (or find cached) the three cuDNN graphs of a config key (inference and "
         "training forward, backward), concurrently, from the serialized plans given per "
-        "graph where they load; returns {ok, message, workspace, build_seconds (per graph), "
-        "wall_seconds (this call), host_copies, from_plan, plans (fresh builds' serialized "
-        "plans), plan_notes (per graph), device}.");
+        "graph where they load, else (with autotune) from the fastest of all plans; returns "
+        "{ok, message, workspace, build_seconds (per graph), wall_seconds (this call), "
+        "host_copies, from_plan, plans (fresh builds' serialized plans), plan_notes, "
+        "plan_names, tuning (per autotuned graph: plans, chosen, chosen_ms, heuristic, "
+        "heuristic_ms, note), device}.");
   m.def("cudnn_device_identity", &device_identity,
         "The current device's {name, sm, multiprocessors} (what a stored plan is valid for).");
   m.def("cudnn_cache_stats", &cache_stats,

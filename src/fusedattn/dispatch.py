@@ -91,6 +91,17 @@ class Plan:
                                          inputs)[0]
         return self.backend.attention(self.config, inputs)
 
+    def _runs(self) -> List[str]:
+        """The backends this plan runs: the chosen one, or both of a measured choice."""
+        if self.choice is not None:
+            return list(dict.fromkeys((self.choice.inference, self.choice.training)))
+        return [self.chosen] if self.chosen else []
+
+    def _details(self, name: str) -> str:
+        """What a backend says of how it runs this config (e.g. cuDNN's plans), if anything."""
+        details = getattr(load_backend(name), "details", None)
+        return details(self.config) if details is not None else ""
+
     def error_message(self) -> str:
         return (f"backend {self.requested!r} cannot run this attention "
                 f"({self.config.short()}) on platform {self.platform}:\n{self.table()}")
@@ -111,6 +122,7 @@ class Plan:
             lines.append(self.choice.describe())
         if self.measure_note:
             lines.append(self.measure_note)
+        lines += filter(None, (self._details(name) for name in self._runs()))
         if self.distributed:
             lines.append(self.distributed)
         return "\n".join(lines)

@@ -1,7 +1,9 @@
 """The cuDNN graph cache on a CUDA GPU: eight threads tracing and running at once
 (distinct and shared configs: no crash, one build per graph, correct results), the
-LRU bound, and persistent plans across processes (a second process loads its
-graphs from the stored plans; damaged entries are ignored and rewritten)."""
+LRU bound, persistent plans across processes (a second process loads its
+graphs from the stored plans; damaged entries are ignored and rewritten), and
+plan autotuning (the fastest plan runs and is correct, deterministic configs stay
+deterministic, an evicted tuned graph comes back with its own plan)."""
 from __future__ import annotations
 
 import json
@@ -34,10 +36,11 @@ def _inputs(seed, b=2, s=256, h=4, d=64):
     return tuple(jax.random.normal(k, (b, s, h, d), jnp.bfloat16) for k in keys)
 
 
-def _step(scale):
+def _step(scale, **options):
     """A jitted forward + backward of a config no other test builds (its scale)."""
     def loss(q, k, v, d_out):
-        out = fusedattn.fused_attn(q, k, v, mask="causal", scale=scale, backend="cudnn")
+        out = fusedattn.fused_attn(q, k, v, mask="causal", scale=scale, backend="cudnn",
+                                   **options)
         return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32))
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
@@ -159,3 +162,64 @@ def test_a_second_process_loads_the_stored_plans(tmp_path):
     np.testing.assert_array_equal(third["out"], first["out"])
     healed, _ = _child(cache, tmp_path / "d.npz")
     assert healed["from_plan"] == [True] * 3, healed
+
+
+@pytest.fixture
+def autotuned():
+    cudnn.set_autotune(True)
+    yield
+    cudnn.set_autotune(None)
+
+
+def _tuning(scale, args, **options):
+    plan = fusedattn.explain(*args[:3], mask="causal", scale=scale, backend="cudnn", **options)
+    probe = cudnn.probe(plan.config)
+    print(plan)
+    return probe
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_autotuned_graphs_run_the_fastest_plan_and_are_correct(autotuned, d):
+    scale = 0.0733 + d * 1e-6
+    args = _inputs(21, s=512, d=d)
+    got = jax.block_until_ready(_step(scale)(*args))
+    _close(got, _reference(scale, args))
+    probe = _tuning(scale, args)
+    for graph, tuned in zip(cudnn.GRAPHS, probe.tuning):
+        assert tuned is not None, graph
+        if tuned["plans"] > 1:
+            assert tuned["chosen_ms"] <= tuned["heuristic_ms"], (graph, tuned)
+        else:
+            assert tuned["note"], (graph, tuned)
+    assert "autotune" in str(fusedattn.explain(*args[:3], mask="causal", scale=scale,
+                                                backend="cudnn"))
+
+
+def test_an_autotuned_deterministic_backward_is_bitwise_reproducible(autotuned):
+    scale = 0.0744
+    args = _inputs(22, s=512, d=128)
+    step = _step(scale, deterministic=True)
+    first, second = (jax.block_until_ready(step(*args)) for _ in range(2))
+    for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(second)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _close(first, _reference(scale, args))
+    assert all(t is not None for t in _tuning(scale, args, deterministic=True).tuning)
+
+
+def test_an_evicted_autotuned_graph_comes_back_with_its_own_plan(autotuned):
+    stats = cudnn.graph_cache_stats()
+    try:
+        steps = {s: _step(s) for s in (0.0821, 0.0822, 0.0823)}
+        args = _inputs(23)
+        first = jax.block_until_ready(steps[0.0821](*args))
+        cudnn.set_graph_cache_size(3)  # only the last config's three graphs stay
+        for s in (0.0822, 0.0823):
+            jax.block_until_ready(steps[s](*args))
+        before = cudnn.graph_cache_stats()
+        again = jax.block_until_ready(steps[0.0821](*args))
+        after = cudnn.graph_cache_stats()
+        # rebuilt from the plan autotuning chose, not from the heuristics
+        assert after["from_plans"] > before["from_plans"], (before, after)
+        np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(first[0]))
+    finally:
+        cudnn.set_graph_cache_size(stats["capacity"])

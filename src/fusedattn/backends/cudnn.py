@@ -47,6 +47,7 @@ from .cudnn_probe import GRAPHS, Probe
 assume_supported = cudnn_probe.assume_supported
 set_graph_cache_size = cudnn_probe.set_graph_cache_size
 graph_cache_stats = cudnn_probe.graph_cache_stats
+set_autotune = cudnn_probe.set_autotune
 from .base import AttnInputs
 
 TARGET_FWD = "fusedattn_cudnn_fwd"
@@ -221,6 +222,12 @@ class _CudnnBackend:
 
     def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
         return attention_with_lse(config, inputs, need_lse=False)[0]
+
+    def details(self, config: AttnConfig) -> str:
+        """For explain(): the execution plan each graph runs, and how it was picked."""
+        if cudnn_probe.assumed() is not None:
+            return ""
+        return probe(config).describe()
 
 
 BACKEND = _CudnnBackend()

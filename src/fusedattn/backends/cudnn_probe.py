@@ -6,6 +6,15 @@ A probe hands cuDNN the serialized plans `fusedattn.plan_cache` stored for the k
 on this GPU model / cuDNN / cudnn-frontend, so a known config's graphs load
 without cuDNN's heuristics and kernel compilation; the graphs it had to build from
 scratch have their plans stored for the next process.
+
+Plan autotuning (`set_autotune`, `FUSEDATTN_AUTOTUNE`): a graph built from scratch
+times every execution plan cuDNN offers for it and runs the fastest
+(csrc/cuda/cudnn_autotune.h) instead of the one cuDNN's heuristics rank first. Its
+plans are stored apart from the heuristics' ones, so switching it on tunes configs
+the cache already knows. Off by default: on H100 with cuDNN 9.19 the heuristics'
+plan was the fastest, or within timing noise of it, on every shape of
+benchmarks/bench_autotune.py (benchmarks/results/SUMMARY.md), so tuning would only
+add build time to a process's first call.
 """
 from __future__ import annotations
 
@@ -39,6 +48,25 @@ class Probe:
     from_plan: Tuple[bool, bool, bool] = (False, False, False)
     # Per graph: a stored plan that did not load, or a plan that could not be serialized.
     plan_notes: Tuple[str, str, str] = ("", "", "")
+    # Per graph: the execution plan it runs (cudnn-frontend's name), and what timing
+    # every plan found when it was autotuned (the extension's `tuning` dict), else None.
+    plan_names: Tuple[str, str, str] = ("", "", "")
+    tuning: Tuple[Optional[dict], Optional[dict], Optional[dict]] = (None, None, None)
+
+    def describe(self) -> str:
+        """One line per graph: its plan and how it was picked, for explain()."""
+        if not self.ok or not any(self.plan_names):
+            return ""
+        lines = []
+        for graph, name, loaded, tuned in zip(GRAPHS, self.plan_names, self.from_plan,
+                                              self.tuning):
+            how = "stored plan" if loaded else "heuristics' first plan"
+            if tuned:
+                how = (f"autotuned among {tuned['plans']}: {tuned['chosen_ms']:.3f} ms, "
+                       f"heuristics' {tuned['heuristic']} {tuned['heuristic_ms']:.3f} ms"
+                       if tuned["plans"] > 1 else f"autotune: {tuned['note'] or 'one plan'}")
+            lines.append(f"  {graph}: {name or '?'} ({how})")
+        return "cuDNN plans:\n" + "\n".join(lines)
 
 
 _probe_lock = threading.Lock()
@@ -87,7 +115,8 @@ def probe(key: str, targets: Tuple[str, ...]) -> Probe:
             found = Probe(bool(r["ok"]), r["message"], per_graph("workspace", 0),
                           per_graph("build_seconds", 0.0), float(r.get("wall_seconds", 0.0)),
                           per_graph("host_copies", False), per_graph("from_plan", False),
-                          per_graph("plan_notes", ""))
+                          per_graph("plan_notes", ""), per_graph("plan_names", ""),
+                          tuple(dict(r.get("tuning", {})).get(g) for g in GRAPHS))
             _probes[key] = found
     return found
 
@@ -101,7 +130,7 @@ def _check_support(module, key: str) -> dict:
         blob = plan_cache.load(identity)
         if blob is not None:
             plans[graph] = blob
-    r = module.cudnn_check_support(key, plans)
+    r = module.cudnn_check_support(key, plans, autotune=autotune_enabled())
     for graph, blob in dict(r.get("plans", {})).items():
         if graph in identities:
             plan_cache.store(identities[graph], bytes(blob))
@@ -119,8 +148,35 @@ def _plan_identities(module, key: str) -> Dict[str, dict]:
     base = {"what": "cudnn-plan", "gpu": device["name"], "sm": device["sm"],
             "multiprocessors": device["multiprocessors"],
             "cudnn": versions["cudnn_runtime"], "cudnn_frontend": versions["cudnn_frontend"],
-            "key": key}
+            "key": key, "selection": "autotuned" if autotune_enabled() else "heuristics"}
     return {graph: {**base, "graph": graph} for graph in GRAPHS}
+
+
+# ---- plan autotuning -----------------------------------------------------------------
+ENV_AUTOTUNE = "FUSEDATTN_AUTOTUNE"
+AUTOTUNE_DEFAULT = False  # see the module docstring for the measurement behind it
+_autotune: Optional[bool] = None  # set_autotune's; None: the environment decides
+
+
+def set_autotune(enabled: Optional[bool]) -> None:
+    """Autotune the cuDNN plans of configs probed from now on (True), run the plan cuDNN's
+    heuristics rank first (False), or follow FUSEDATTN_AUTOTUNE / the default (None).
+    Graphs already built in this process keep their plans."""
+    global _autotune
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool or None, got {enabled!r}")
+    _autotune = enabled
+
+
+def autotune_enabled() -> bool:
+    if _autotune is not None:
+        return _autotune
+    value = os.environ.get(ENV_AUTOTUNE, "")
+    if value in ("", None):
+        return AUTOTUNE_DEFAULT
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_AUTOTUNE} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 # ---- the in-process graph cache's bound ---------------------------------------------
