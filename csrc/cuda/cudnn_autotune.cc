@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <random>
 #include <unordered_map>
 #include <vector>
@@ -16,9 +17,16 @@ namespace fusedattn::cudnn_attn {
 namespace {
 
 // A timed run this long is measured once; shorter ones up to kRuns times (the least
-// counts). Enough to order plans whose times differ by a few percent.
+// counts), after kWarmups untimed runs. Enough to order plans whose times differ
+// by a few percent.
 constexpr float kLongRunMs = 20.f;
-constexpr int kRuns = 3;
+constexpr int kRuns = 5;
+constexpr int kWarmups = 2;
+
+// One tuning loop at a time in this process: the probe builds a config's three
+// graphs on three threads, and plans timed side by side would share the GPU (seen:
+// a forward timed at twice its time while a backward ran beside it).
+std::mutex timing_mutex;
 
 std::string cuda_message(const char* step, cudaError_t e) {
   (void)cudaGetLastError();
@@ -136,20 +144,22 @@ struct Events {
   }
 };
 
-// The least of a few timed runs of plan `index` (after one untimed run), or a
-// negative time with `error` set.
+// The least of a few timed runs of plan `index` (after untimed ones), or a negative
+// time with `error` set.
 float time_plan(fe::graph::Graph& g, cudnnHandle_t handle,
                 std::unordered_map<int64_t, void*>& pointers, void* workspace, int64_t index,
                 cudaStream_t stream, Events& ev, std::string& error) {
-  auto status = g.execute_plan_at_index(handle, pointers, workspace, index);
-  if (status.is_bad()) {
-    error = status.get_message();
-    return -1.f;
+  for (int run = 0; run < kWarmups; ++run) {
+    auto status = g.execute_plan_at_index(handle, pointers, workspace, index);
+    if (status.is_bad()) {
+      error = status.get_message();
+      return -1.f;
+    }
   }
   float best = std::numeric_limits<float>::max();
   for (int run = 0; run < kRuns; ++run) {
     cudaEventRecord(ev.start, stream);
-    status = g.execute_plan_at_index(handle, pointers, workspace, index);
+    auto status = g.execute_plan_at_index(handle, pointers, workspace, index);
     cudaEventRecord(ev.stop, stream);
     if (cudaError_t e = cudaEventSynchronize(ev.stop); e != cudaSuccess) {
       error = cuda_message("cudaEventSynchronize", e);
@@ -190,6 +200,8 @@ void time_plans(fe::graph::Graph& g, cudnnHandle_t handle, const AttnParams& p,
       msg = cuda_message("cudaEventCreate", cudaGetLastError());
     if (msg.empty() && cudnnSetStream(handle, stream) != CUDNN_STATUS_SUCCESS)
       msg = "cudnnSetStream failed";
+    std::unique_lock<std::mutex> one_at_a_time(timing_mutex, std::defer_lock);
+    if (msg.empty()) one_at_a_time.lock();
     for (size_t i = 0; msg.empty() && i < built.size(); ++i) {
       std::string error;
       times[i] = time_plan(g, handle, pointers, workspace, built[i], stream, ev, error);
