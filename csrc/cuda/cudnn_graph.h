@@ -24,6 +24,7 @@
 //   cudnn_handles.h  device scope and the per-device pool of cuDNN handles
 //   cudnn_cache.*    the thread-safe, bounded (LRU) graph cache: build once, or
 //                    load a serialized plan Python's persistent cache hands in
+//   cudnn_autotune.* plan autotuning: every plan of a graph timed, the fastest kept
 //   cudnn_ffi.cc     the FFI handlers and their targets (cudnn_ffi_common.h:
 //                    what they share with the FP8 handlers in cudnn_fp8_ffi.cc)
 //   cudnn_python.cc  support probes, validation, versions for Python
