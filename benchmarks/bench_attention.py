@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (RESULTS_DIR, device_meta, device_slug, measure_ceilings, print_table,  # noqa: E402
-                    run_main, time_interleaved, warmed, write_results)
+                    run_main, step, time_row, warm_into, write_results)
 
 import fusedattn  # noqa: E402
 from fusedattn import plan_cache  # noqa: E402
@@ -79,13 +79,6 @@ def _inputs(b, s, hq, hkv, d, seed=0):
     return q, k, v, do
 
 
-def _fwd_bwd(fn):
-    def run(q, k, v, do):
-        out, vjp = jax.vjp(fn, q, k, v)
-        return vjp(do)
-    return jax.jit(run)
-
-
 def first_build_seconds(b, s, hq, hkv, d) -> dict:
     """The first support probe of a fresh config: its wall time (the three graphs build
     concurrently), as seen from Python and inside the extension, and each graph's own
@@ -132,15 +125,10 @@ def bench(shapes):
                         row[impl] = None
                         row[impl + "_note"] = "skipped: materialises b*h*s*s logits"
                         continue
-                    f, args = (jax.jit(fn), (q, k, v)) if mode == "fwd" else (_fwd_bwd(fn), (q, k, v, do))
-                    try:
-                        calls[impl] = (warmed(f, *args), args)
-                    except Exception as e:  # an anchor that cannot run this shape
-                        row[impl] = None
-                        row[impl + "_note"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                for impl, t in time_interleaved(calls).items():
-                    row[impl] = flops / t / 1e12
-                    row[impl + "_ms"] = t * 1e3
+                    why = warm_into(calls, impl, *step(fn, mode, q, k, v, do))
+                    if why is not None:  # an anchor that cannot run this shape
+                        row[impl], row[impl + "_note"] = None, why
+                time_row(row, calls, flops)
                 ours = row.get("fusedattn")
                 for anchor in ("jax-cudnn", "jax-xla", "flash-attn3"):
                     if ours and row.get(anchor):

@@ -20,12 +20,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import jax  # noqa: E402
 
 import fusedattn  # noqa: E402
-from bench_attention import SHAPES, QUICK, _fwd_bwd, _inputs  # noqa: E402
-from common import (device_meta, device_slug, print_table, run_main, time_interleaved,  # noqa: E402
-                    warmed, write_results)
+from bench_attention import SHAPES, QUICK, _inputs  # noqa: E402
+from common import (device_meta, device_slug, print_table, run_main, step,  # noqa: E402
+                    time_interleaved, warmed, write_results)
 from fusedattn import dispatch, plan_cache  # noqa: E402
 from fusedattn.backends import cudnn  # noqa: E402
 
@@ -65,8 +64,7 @@ def bench(shapes):
                 for how, scale in scales.items():
                     fn = (lambda q, k, v, scale=scale: fusedattn.fused_attn(
                         q, k, v, mask=mask, scale=scale, backend="cudnn"))
-                    f, args = (jax.jit(fn), (q, k, v)) if mode == "fwd" else \
-                        (_fwd_bwd(fn), (q, k, v, do))
+                    f, args = step(fn, mode, q, k, v, do)
                     calls[how] = (warmed(f, *args), args)
                 times = time_interleaved(calls)
                 row[f"{mode} heuristics ms"] = 1e3 * times["heuristics"]

@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import _fwd_bwd, _inputs  # noqa: E402
-from common import (device_meta, device_slug, print_table, run_main, time_interleaved,  # noqa: E402
-                    warmed, write_results)
+from bench_attention import _inputs  # noqa: E402
+from common import (device_meta, device_slug, print_table, run_main, step, time_row,  # noqa: E402
+                    warm_into, write_results)
 
 import fusedattn  # noqa: E402
 from fusedattn import causal_chunks, score_mods  # noqa: E402
@@ -153,14 +153,11 @@ def main():
             flops = cfg.flops(backward=mode == "fwd+bwd")
             calls = {}
             for impl, fn in impls.items():
-                f, a = (jax.jit(fn), (q, k, v)) if mode == "fwd" else (_fwd_bwd(fn), (q, k, v, do))
-                try:
-                    with _chunk_count(impl):  # read when the call is traced
-                        calls[impl] = (warmed(f, *a), a)
-                except Exception as e:  # noqa: BLE001
-                    notes[f"{impl} {name} {mode}"] = f"{type(e).__name__}: {str(e)[:300]}"
-            for impl, t in time_interleaved(calls).items():
-                row[impl] = flops / t / 1e12
+                with _chunk_count(impl):  # read when the call is traced
+                    why = warm_into(calls, impl, *step(fn, mode, q, k, v, do))
+                if why is not None:
+                    notes[f"{impl} {name} {mode}"] = why
+            time_row(row, calls, flops)
             if torch.get(name, {}).get(mode):
                 row["torch-flex"] = flops / torch[name][mode] / 1e12
             ours = row.get("fusedattn-cudnn-flex")
@@ -173,7 +170,8 @@ def main():
                     row[f"chunks{n} x torch-flex"] = chunked / row["torch-flex"]
             rows.append(row)
             print(f"  {name} {mode}: " + ", ".join(f"{i}={row[i]:.0f}" for i in row
-                                                   if isinstance(row[i], float) and "x " not in i),
+                                                   if isinstance(row[i], float) and "x " not in i
+                                                   and not i.endswith("_ms")),
                   flush=True)
     print("\nTFLOP/s (bf16; causal halved) and ratios of fusedattn-cudnn-flex")
     print_table(rows, ["case", "mode", "fusedattn-cudnn-flex", "fusedattn-cudnn-plain",

@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import _fwd_bwd, _inputs  # noqa: E402
+from bench_attention import _inputs  # noqa: E402
 from bench_attention import implementations as bf16_implementations  # noqa: E402
-from common import (device_meta, device_slug, print_table, run_main, time_interleaved,  # noqa: E402
-                    warmed, write_results)
+from common import (device_meta, device_slug, print_table, run_main, step, time_row,  # noqa: E402
+                    warm_into, write_results)
 
 import fusedattn  # noqa: E402
 from fusedattn import fp8  # noqa: E402
@@ -115,26 +115,20 @@ def bench(shape):
             impls = dict(implementations(causal))
             impls["fusedattn-fp8-kernel"] = _explicit(causal, scales)
             for impl, fn in impls.items():
-                explicit = impl == "fusedattn-fp8-kernel"
-                args = (q8, k8, v8) if explicit else (q, k, v)
-                if mode == "fwd":
-                    f = jax.jit(fn)
-                else:
-                    f, args = _fwd_bwd(fn), args + ((do8 if explicit else do),)
-                try:
-                    calls[impl] = (warmed(f, *args), args)
-                except Exception as e:
-                    row[impl] = None
-                    notes[f"{impl} {mode}"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                tensors = (q8, k8, v8, do8) if impl == "fusedattn-fp8-kernel" else (q, k, v, do)
+                why = warm_into(calls, impl, *step(fn, mode, *tensors))
+                if why is not None:
+                    row[impl], notes[f"{impl} {mode}"] = None, why
             if mode == "fwd":
                 try:
                     raw = _RawCudnnFp8(b, s, hq, d, causal)
-                    calls["cudnn-fe-fp8"] = (warmed(raw), ())
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - no cudnn-frontend Python bindings
                     notes["cudnn-fe-fp8"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            for impl, t in time_interleaved(calls).items():
-                row[impl] = flops / t / 1e12
-                row[impl + "_ms"] = t * 1e3
+                else:
+                    why = warm_into(calls, "cudnn-fe-fp8", raw, ())
+                    if why is not None:
+                        notes["cudnn-fe-fp8"] = why
+            time_row(row, calls, flops)
             for ours in ("fusedattn-fp8", "fusedattn-fp8-kernel"):
                 for anchor in ("fusedattn-cudnn", "jax-cudnn", "flash-attn3", "cudnn-fe-fp8"):
                     if row.get(ours) and row.get(anchor):

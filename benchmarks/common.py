@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,38 @@ def warmed(fn: Callable, *args) -> Callable:
     for _ in range(2):
         _block(fn(*args))
     return fn
+
+
+def fwd_bwd(fn: Callable) -> Callable:
+    """A jit of one forward and one backward of `fn(q, k, v)`, given d_out."""
+    def run(q, k, v, d_out):
+        _, vjp = jax.vjp(fn, q, k, v)
+        return vjp(d_out)
+    return jax.jit(run)
+
+
+def step(fn: Callable, mode: str, q, k, v, d_out) -> Tuple[Callable, tuple]:
+    """(jitted callable, its args) of `mode` ("fwd" or "fwd+bwd") of `fn(q, k, v)`."""
+    return (jax.jit(fn), (q, k, v)) if mode == "fwd" else (fwd_bwd(fn), (q, k, v, d_out))
+
+
+def warm_into(calls: Dict[str, Tuple[Callable, tuple]], name: str, fn: Callable,
+              args: tuple) -> Optional[str]:
+    """`calls[name] = (fn, args)` once `warmed`; else the error, in a line, for the row's
+    notes (an implementation that cannot run a shape is reported, not fatal)."""
+    try:
+        calls[name] = (warmed(fn, *args), args)
+        return None
+    except Exception as e:  # noqa: BLE001
+        text = str(e).splitlines()[0][:200] if str(e) else ""
+        return f"{type(e).__name__}: {text}"
+
+
+def time_row(row: dict, calls: Dict[str, Tuple[Callable, tuple]], flops: float) -> None:
+    """Each call's TFLOP/s (row[name]) and ms (row[name + "_ms"]), timed round-robin."""
+    for name, t in time_interleaved(calls).items():
+        row[name] = flops / t / 1e12
+        row[name + "_ms"] = t * 1e3
 
 
 def time_interleaved(calls: Dict[str, Tuple[Callable, tuple]], rounds: int = 7,
