@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import (RESULTS_DIR, device_meta, device_slug, measure_ceilings, print_table,  # noqa: E402
-                    run_main, step, time_row, warm_into, write_results)
+                    row_grid, run_main, step, time_row, warm_into, write_results)
 
 import fusedattn  # noqa: E402
 from fusedattn import plan_cache  # noqa: E402
@@ -113,37 +113,32 @@ def bench(shapes):
     rows = []
     for name, b, s, hq, hkv, d in shapes:
         q, k, v, do = _inputs(b, s, hq, hkv, d)
-        for causal in (False, True):
-            cfg = AttnConfig(batch=b, s_q=s, s_kv=s, h_q=hq, h_kv=hkv, d_qk=d, d_v=d,
-                             dtype="bfloat16", mask="causal" if causal else "none")
-            for mode in ("fwd", "fwd+bwd"):
-                row = {"shape": name, "causal": causal, "mode": mode}
-                flops = cfg.flops(backward=(mode == "fwd+bwd"))
-                calls = {}
-                for impl, fn in implementations(causal).items():
-                    if impl == "jax-xla" and b * hq * s * s > XLA_MAX_LOGITS:
-                        row[impl] = None
-                        row[impl + "_note"] = "skipped: materialises b*h*s*s logits"
-                        continue
-                    why = warm_into(calls, impl, *step(fn, mode, q, k, v, do))
-                    if why is not None:  # an anchor that cannot run this shape
-                        row[impl], row[impl + "_note"] = None, why
-                time_row(row, calls, flops)
-                ours = row.get("fusedattn")
-                for anchor in ("jax-cudnn", "jax-xla", "flash-attn3"):
-                    if ours and row.get(anchor):
-                        row[f"x {anchor}"] = ours / row[anchor]
-                best = max((row.get(a) or 0 for a in ("jax-cudnn", "flash-attn3")), default=0)
-                if ours and best:
-                    row["x best anchor"] = ours / best
-                plan = fusedattn.explain(q, k, v, mask=cfg.mask)
-                row["auto_chose"] = (plan.choice.inference if mode == "fwd" else plan.choice.training) \
-                    if plan.choice else plan.chosen
-                row["auto_timings_ms"] = plan.choice.timings if plan.choice else None
-                rows.append(row)
-                print(f"  {name} causal={causal} {mode}: " + ", ".join(
-                    f"{i}={row.get(i) and round(row[i])}" for i in implementations(causal)),
-                    flush=True)
+        for row, mode, cfg, flops in row_grid(name, b, s, hq, hkv, d):
+            calls = {}
+            for impl, fn in implementations(cfg.causal).items():
+                if impl == "jax-xla" and b * hq * s * s > XLA_MAX_LOGITS:
+                    row[impl] = None
+                    row[impl + "_note"] = "skipped: materialises b*h*s*s logits"
+                    continue
+                why = warm_into(calls, impl, *step(fn, mode, q, k, v, do))
+                if why is not None:  # an anchor that cannot run this shape
+                    row[impl], row[impl + "_note"] = None, why
+            time_row(row, calls, flops)
+            ours = row.get("fusedattn")
+            for anchor in ("jax-cudnn", "jax-xla", "flash-attn3"):
+                if ours and row.get(anchor):
+                    row[f"x {anchor}"] = ours / row[anchor]
+            best = max((row.get(a) or 0 for a in ("jax-cudnn", "flash-attn3")), default=0)
+            if ours and best:
+                row["x best anchor"] = ours / best
+            plan = fusedattn.explain(q, k, v, mask=cfg.mask)
+            row["auto_chose"] = (plan.choice.inference if mode == "fwd" else plan.choice.training) \
+                if plan.choice else plan.chosen
+            row["auto_timings_ms"] = plan.choice.timings if plan.choice else None
+            rows.append(row)
+            print(f"  {name} causal={cfg.causal} {mode}: " + ", ".join(
+                f"{i}={row.get(i) and round(row[i])}" for i in implementations(cfg.causal)),
+                flush=True)
     return rows
 
 

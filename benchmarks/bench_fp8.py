@@ -27,12 +27,11 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_attention import _inputs  # noqa: E402
 from bench_attention import implementations as bf16_implementations  # noqa: E402
-from common import (device_meta, device_slug, print_table, run_main, step, time_row,  # noqa: E402
-                    warm_into, write_results)
+from common import (device_meta, device_slug, print_table, row_grid, run_main, step,  # noqa: E402
+                    time_row, warm_into, write_results)
 
 import fusedattn  # noqa: E402
 from fusedattn import fp8  # noqa: E402
-from fusedattn.config import AttnConfig  # noqa: E402
 
 SHAPE = ("b4 s4096 h16 d128", 4, 4096, 16, 16, 128)
 
@@ -105,38 +104,34 @@ def bench(shape):
     q8, k8, v8 = (fp8.quantize(x, s_) for x, s_ in ((q, scales.q), (k, scales.k), (v, scales.v)))
     do8 = fp8.quantize(do, scales.do)
     rows, notes = [], {}
-    for causal in (False, True):
-        cfg = AttnConfig(batch=b, s_q=s, s_kv=s, h_q=hq, h_kv=hkv, d_qk=d, d_v=d,
-                         dtype="bfloat16", mask="causal" if causal else "none")
-        for mode in ("fwd", "fwd+bwd"):
-            row = {"shape": name, "causal": causal, "mode": mode}
-            flops = cfg.flops(backward=(mode == "fwd+bwd"))
-            calls = {}
-            impls = dict(implementations(causal))
-            impls["fusedattn-fp8-kernel"] = _explicit(causal, scales)
-            for impl, fn in impls.items():
-                tensors = (q8, k8, v8, do8) if impl == "fusedattn-fp8-kernel" else (q, k, v, do)
-                why = warm_into(calls, impl, *step(fn, mode, *tensors))
+    for row, mode, cfg, flops in row_grid(name, b, s, hq, hkv, d):
+        causal = cfg.causal
+        calls = {}
+        impls = dict(implementations(causal))
+        impls["fusedattn-fp8-kernel"] = _explicit(causal, scales)
+        for impl, fn in impls.items():
+            tensors = (q8, k8, v8, do8) if impl == "fusedattn-fp8-kernel" else (q, k, v, do)
+            why = warm_into(calls, impl, *step(fn, mode, *tensors))
+            if why is not None:
+                row[impl], notes[f"{impl} {mode}"] = None, why
+        if mode == "fwd":
+            try:
+                raw = _RawCudnnFp8(b, s, hq, d, causal)
+            except Exception as e:  # noqa: BLE001 - no cudnn-frontend Python bindings
+                notes["cudnn-fe-fp8"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            else:
+                why = warm_into(calls, "cudnn-fe-fp8", raw, ())
                 if why is not None:
-                    row[impl], notes[f"{impl} {mode}"] = None, why
-            if mode == "fwd":
-                try:
-                    raw = _RawCudnnFp8(b, s, hq, d, causal)
-                except Exception as e:  # noqa: BLE001 - no cudnn-frontend Python bindings
-                    notes["cudnn-fe-fp8"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                else:
-                    why = warm_into(calls, "cudnn-fe-fp8", raw, ())
-                    if why is not None:
-                        notes["cudnn-fe-fp8"] = why
-            time_row(row, calls, flops)
-            for ours in ("fusedattn-fp8", "fusedattn-fp8-kernel"):
-                for anchor in ("fusedattn-cudnn", "jax-cudnn", "flash-attn3", "cudnn-fe-fp8"):
-                    if row.get(ours) and row.get(anchor):
-                        row[f"{ours} x {anchor}"] = row[ours] / row[anchor]
-            rows.append(row)
-            print(f"  causal={causal} {mode}: " + ", ".join(
-                f"{i}={round(row[i])}" for i in row if not i.endswith("_ms") and " x " not in i
-                and isinstance(row[i], float)), flush=True)
+                    notes["cudnn-fe-fp8"] = why
+        time_row(row, calls, flops)
+        for ours in ("fusedattn-fp8", "fusedattn-fp8-kernel"):
+            for anchor in ("fusedattn-cudnn", "jax-cudnn", "flash-attn3", "cudnn-fe-fp8"):
+                if row.get(ours) and row.get(anchor):
+                    row[f"{ours} x {anchor}"] = row[ours] / row[anchor]
+        rows.append(row)
+        print(f"  causal={causal} {mode}: " + ", ".join(
+            f"{i}={round(row[i])}" for i in row if not i.endswith("_ms") and " x " not in i
+            and isinstance(row[i], float)), flush=True)
     return rows, notes
 
 

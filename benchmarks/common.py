@@ -52,6 +52,18 @@ def warmed(fn: Callable, *args) -> Callable:
     return fn
 
 
+def row_grid(shape: str, b: int, s: int, h_q: int, h_kv: int, d: int):
+    """For one shape: (row, mode, config, flops) of every row, causal and not, forward
+    and forward+backward; the row starts as {shape, causal, mode}."""
+    from fusedattn.config import AttnConfig  # noqa: PLC0415
+    for causal in (False, True):
+        cfg = AttnConfig(batch=b, s_q=s, s_kv=s, h_q=h_q, h_kv=h_kv, d_qk=d, d_v=d,
+                         dtype="bfloat16", mask="causal" if causal else "none")
+        for mode in ("fwd", "fwd+bwd"):
+            yield ({"shape": shape, "causal": causal, "mode": mode}, mode, cfg,
+                   cfg.flops(backward=(mode == "fwd+bwd")))
+
+
 def fwd_bwd(fn: Callable) -> Callable:
     """A jit of one forward and one backward of `fn(q, k, v)`, given d_out."""
     def run(q, k, v, d_out):
