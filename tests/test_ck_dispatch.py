@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fusedattn
+
 from fusedattn import dispatch
 from fusedattn.backends import ck
 from fusedattn.sequence import SequenceDescriptor
@@ -85,6 +87,16 @@ def test_dispatch_uses_ck_when_it_is_usable(monkeypatch):
     big, _ = _config(d=512)
     plan = dispatch.plan(big)
     assert plan.chosen != "ck" and "head dim 512 > 256" in dict(plan.reasons)["ck"]
+
+
+def test_fp8_reason_says_what_ck_offers_and_why_it_is_not_wrapped(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_PLATFORM, "rocm")
+    monkeypatch.setattr(ck, "extension_reason", lambda: None)
+    q = jnp.zeros((2, 64, 4, 64), jnp.bfloat16)
+    plan = fusedattn.explain(q, q, q, precision="fp8")
+    reason = dict(plan.reasons)["ck"]
+    assert "host floats" in reason and "no FP8 backward" in reason, reason
+    assert plan.chosen == "xla"  # the emulation
 
 
 # ---- supports() reasons ---------------------------------------------------------

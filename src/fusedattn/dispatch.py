@@ -136,7 +136,8 @@ def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[s
     if platform not in backend.platforms:
         return f"runs on {'/'.join(backend.platforms)}, not {platform}"
     if config.is_fp8 and not getattr(backend, "fp8", False):
-        return "has no FP8 kernels (precision='fp8' runs on cudnn, or emulated by xla)"
+        return getattr(backend, "fp8_reason", "has no FP8 kernels") + (
+            " (precision='fp8' runs on cudnn, or emulated by xla)")
     try:
         why = backend.supports(config)
         if why is None and cp is not None:

@@ -344,6 +344,13 @@ def attention(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
 class _CkBackend:
     name = "ck"
     platforms = ("rocm",)
+    # What CK's FMHA codegen offers for FP8 (the CK tree of amd-aiter 0.1.7, docs/ROCM.md).
+    fp8_reason = (
+        "no FP8 kernels wrapped: CK's FP8 forward instances (gfx9 incl. gfx942: fp8 / "
+        "fp8bf16, head dims 64 / 128 / 256, per-tensor static quantization) take their "
+        "scales as host floats in the kernel arguments, so a jitted call would copy the "
+        "device scales to the host and wait inside the handler (no host sync, command "
+        "buffers); they write no LSE and CK has no FP8 backward")
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         return supports(config)
