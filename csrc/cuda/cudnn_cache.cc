@@ -195,8 +195,12 @@ std::shared_ptr<CachedGraph> GraphCache::get(int device, GraphKind kind, std::st
     std::lock_guard<std::mutex> stats_lock(mutex_);
     ++stats_.builds;
     if (entry->from_plan) ++stats_.from_plans;
-    if (entry->autotuned && !entry->plan.empty()) kept_plans_[full_key] = entry->plan;
-    else if (entry->from_plan) kept_plans_[full_key] = use->plan;
+    // Under autotuning, the plan may not be the heuristics' one: keep it, tuned here
+    // or loaded (a tuned plan stored by an earlier process).
+    if (use->autotune && entry->autotuned && !entry->plan.empty())
+      kept_plans_[full_key] = entry->plan;
+    else if (use->autotune && entry->from_plan)
+      kept_plans_[full_key] = use->plan;
   }
   return entry;
 }

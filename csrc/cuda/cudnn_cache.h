@@ -8,8 +8,9 @@
 // and the entry is built from scratch; a fresh build offers its serialized plan
 // back for Python to store. A fresh build either takes the plan cuDNN's heuristics
 // rank first or, autotuned, the fastest of all plans (cudnn_autotune.h); an
-// autotuned or loaded entry's plan is remembered past eviction, so a rebuild runs
-// the same plan with the same workspace.
+// entry built under autotuning (tuned, or loaded from a stored tuned plan) has its
+// plan remembered past eviction, so a rebuild runs the same plan with the same
+// workspace (a rebuild without it would take the heuristics' plan).
 #pragma once
 
 #include <cstdint>
@@ -91,8 +92,8 @@ class GraphCache {
   std::mutex mutex_;  // guards what follows
   std::unordered_map<std::string, Slot> entries_;
   std::list<std::string> recency_;  // most recently used first
-  // The serialized plan of each entry that may not run the heuristics' plan
-  // (autotuned, or loaded from a stored plan), kept past eviction (a few KB each).
+  // The serialized plan of each entry built under autotuning (tuned, or loaded from a
+  // stored tuned plan), kept past eviction; empty unless autotuning is on.
   std::unordered_map<std::string, std::vector<uint8_t>> kept_plans_;
   CacheStats stats_;
 };
