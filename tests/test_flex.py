@@ -159,32 +159,63 @@ def test_same_config_fields_for_masked_mods():
     assert "mask_mod" in cfg.short()
 
 
-def test_per_head_score_mods_under_a_split_are_refused_not_misread(monkeypatch):
-    """Each device would read per-head arguments with its local head numbers: a
-    partitioned native call whose backend gives a `split_reason` raises it. The cuDNN
-    backend's reason runs around the XLA kernels here (a CUDA call cannot compile on
-    this host)."""
+@pytest.mark.parametrize("name", ["per_head_scale", "alibi_lambda", "per_batch_scale",
+                                  "alibi_builtin", "head_mask_mod", "softcap_prefix_lm"])
+def test_score_mods_under_a_split_read_the_calls_batch_and_head_numbers(name):
+    """Under a batch and head split each device computes rows b0.. and heads h0.. of
+    the call; the partitioning rule hands the score_mod those numbers (not the shard's
+    own 0..), so per-head slopes, per-batch arguments and head-reading masks give the
+    unsplit call's result. Native calls are run around the XLA kernels here (a CUDA
+    call cannot compile on this host); cuDNN's lowered programs read the same
+    arguments."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from fusedattn.backends import native_call, xla
-    per_head, _ = _config("per_head_scale")
-    assert "not split over batch / heads yet" in cudnn.split_reason(per_head)
-    assert cudnn.split_reason(_config("relative_position", mask="causal")[0]) is None
-    monkeypatch.setattr(xla, "split_reason", cudnn.split_reason, raising=False)
-    mesh = jax.make_mesh((4,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
-    q = jax.device_put(jnp.ones((2, 16, 4, 16), jnp.float32),
-                       NamedSharding(mesh, P(None, None, "tp")))
-    mod, _, args, _ = fc.MODS["per_head_scale"]
+    if name == "alibi_builtin":
+        mod, mask_mod, args = score_mods.alibi(4), None, ()
+    elif name == "head_mask_mod":
+        mod, mask_mod, args = None, (lambda b, h, q, k: (k <= q) | (h == 1)), ()
+    else:
+        mod, mask_mod, make, _ = fc.MODS[name]
+        args = make(4, 2, 16)
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    shard = NamedSharding(mesh, P("dp", None, "tp"))
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q, k, v, d_out = (jax.random.normal(x, (2, 16, 4, 16), jnp.float32) for x in keys)
 
-    def f(q, *args):
-        config, inputs = build_call(q, q, q, score_mod=mod, score_mod_args=args)
-        return native_call.attention("xla", config, inputs)[0]
-    with pytest.raises(Exception, match="not split over batch / heads yet"):
-        jax.jit(f)(q, *args(4, 2, 16))
-    rel = fc.MODS["relative_position"][0]
-    out = jax.jit(lambda q: native_call.attention("xla", *build_call(q, q, q, score_mod=rel))[0])(q)
-    assert out.shape == q.shape  # no reason: it splits
+    def loss(run):
+        def f(q, k, v):
+            config, inputs = build_call(q, k, v, score_mod=mod, mask_mod=mask_mod,
+                                        score_mod_args=args)
+            return jnp.sum(run(config, inputs) * d_out)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+    split = loss(lambda c, i: native_call.attention("xla", c, i)[0])(
+        *(jax.device_put(x, shard) for x in (q, k, v)))
+    whole = loss(lambda c, i: xla.attention_with_lse(c, i)[0])(q, k, v)
+    for got, want in zip(jax.tree_util.tree_leaves(split), jax.tree_util.tree_leaves(whole)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["alibi_lambda", "alibi_builtin"])
+def test_a_shards_lowered_program_reads_the_calls_heads(name):
+    """What cuDNN runs on the second of two head shards: its per-head input holds the
+    call's heads 2 and 3 (the built-in ALiBi, whose cuDNN form would compute slopes for
+    the shard's own head count, is lowered as a program there)."""
+    from fusedattn.backends import native_call
+    if name == "alibi_builtin":
+        q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.bfloat16)
+        config, _ = build_call(q, q, q, score_mod=score_mods.alibi(H))
+        args = ()
+    else:
+        config, args = _config(name)
+    shard = native_call._on_shard(dataclasses.replace(config, h_q=H // 2, h_kv=H // 2))
+    assert cudnn.config_reason(shard) is None
+    low = flex_lowering.lower(shard, shard.score_mod)
+    got = low.evaluate(tuple(args) + (jnp.int32(0), jnp.int32(H // 2)), ())
+    slopes = score_mods.alibi_slopes(H)[H // 2:]
+    assert [tuple(x.shape) for x in got] == [(1, H // 2, 1, 1)]
+    np.testing.assert_allclose(np.asarray(got[0]).reshape(-1), slopes, rtol=1e-6)
 
 
 def test_inputs_that_vary_over_the_batch_stay_off_cudnn():

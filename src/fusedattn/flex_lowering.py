@@ -69,9 +69,6 @@ class Lowered:
     forward: str
     bprop: str
     input_shapes: Tuple[Tuple[int, int, int, int], ...]
-    # Whether an input depends on the batch / head index or score_mod_args (not only
-    # on the sequence lengths): such inputs are read by global batch / head number.
-    uses_batch_or_head: bool
     # Evaluates the static inputs from (score_mod_args, q_lengths, kv_lengths).
     evaluate: Callable = dataclasses.field(compare=False, repr=False, hash=False)
 
@@ -447,22 +444,7 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
             values += [_materialize(p, env, v, s) for v, s in zip(p.inputs, shapes[len(values):])]
         return values
     (pf, _), (pb, _) = programs
-    n_args = len(config.score_mod_arg_specs)
-    uses = any(_depends_on(p, closed, closed.jaxpr.invars[1:3] + closed.jaxpr.invars[5:5 + n_args])
-               for p, closed in programs)
-    return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, uses, evaluate)
-
-
-def _depends_on(p: _Program, closed, roots) -> bool:
-    """Does any static input of `p` depend on one of `roots` (jaxpr input vars)?"""
-    reached = set(roots)
-    for eqn in p.static_eqns:
-        if any(not isinstance(v, Literal) and v in reached for v in eqn.invars):
-            reached.update(eqn.outvars)
-    for var, (src, _) in p.origin.items():
-        if src in reached:
-            reached.add(var)
-    return any(_source(p, v)[0] in reached or v in reached for v in p.inputs)
+    return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, evaluate)
 
 
 def _prune(lines: List[str], result: str) -> List[str]:

@@ -123,3 +123,34 @@ class Masked:
                                                                 kv_idx, *args)
         keep = self.mask_mod(batch, head, q_idx, kv_idx, *args)
         return jnp.where(keep, s, -jnp.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardIndices:
+    """A score_mod (or, with ``mask``, a mask_mod) run on one shard of a batch / head
+    split: it takes two more score_mod_args, the shard's first batch row and first
+    query head (traced int32 scalars), and sees the call's batch and head numbers.
+    Built by the partitioning rule (`backends/native_call.py`), never by users."""
+    fn: object
+    mask: bool = False
+
+    @property
+    def __name__(self) -> str:
+        return f"{getattr(self.fn, '__name__', 'score_mod')}@shard"
+
+    def __call__(self, *a):
+        *front, batch_start, head_start = a
+        if self.mask:  # (batch, head, q_idx, kv_idx, *args)
+            batch, head, *rest = front
+            return self.fn(batch + batch_start, head + head_start, *rest)
+        score, batch, head, *rest = front
+        return self.fn(score, batch + batch_start, head + head_start, *rest)
+
+
+def on_shard(score_mod):
+    """`score_mod` for one shard of a batch / head split (see `ShardIndices`); a
+    `Masked` stays one, so a lowering still tells its mask from its score_mod."""
+    if isinstance(score_mod, Masked):
+        inner = None if score_mod.score_mod is None else ShardIndices(score_mod.score_mod)
+        return Masked(inner, ShardIndices(score_mod.mask_mod, mask=True))
+    return ShardIndices(score_mod)

@@ -334,15 +334,6 @@ def flex_chunks(config: AttnConfig) -> Tuple[causal_chunks.Chunk, ...]:
     return parts
 
 
-def split_reason(config: AttnConfig) -> Optional[str]:
-    """Why this call must not be split over batch / heads (native_call asks)."""
-    if cudnn_flex.is_flex(config) and cudnn_flex.lowered(config).uses_batch_or_head:
-        return ("a lowered score_mod that reads batch / head indices or score_mod_args is "
-                "not split over batch / heads yet: each device would read them with its "
-                "local numbers")
-    return None
-
-
 def _flex_inputs(config: AttnConfig, inputs: AttnInputs) -> Tuple[jax.Array, ...]:
     """A lowered score_mod's static inputs (after the sink, as the handlers bind them)."""
     return cudnn_flex.static_inputs(config, inputs) if cudnn_flex.is_flex(config) else ()

@@ -15,7 +15,8 @@ is raw uint32 bits (`rng_bits`). This module wraps them once:
 * `jax.experimental.custom_partitioning` with the rule of
   `fusedattn.partitioning`, as a Shardy `sharding_rule` and as GSPMD
   callbacks, so batch and head splits need no collective and each device runs
-  the backend on its own shard (a config of the local shapes);
+  the backend on its own shard (a config of the local shapes, whose score_mod
+  sees the call's batch and head numbers: `_on_shard`);
 * sequential `vmap` (one call per mapped element), as the FFI calls had.
 
 FP8 kernels (a backend's ``<name>_fp8`` module: ``fp8_forward`` /
@@ -45,6 +46,7 @@ from jax.experimental.custom_partitioning import (ArrayMapping, SdyShardingRule,
 from jax.sharding import NamedSharding
 
 from .. import partitioning as P
+from .. import score_mods
 from ..config import AttnConfig
 from .base import AttnInputs
 
@@ -82,8 +84,12 @@ class _Op:
 
 
 # ---- the per-device body ------------------------------------------------------------
-def _run(op: _Op, config: AttnConfig, flat):
+def _run(op: _Op, config: AttnConfig, flat, shard_starts=None):
     operands = jax.tree_util.tree_unflatten(op.in_tree, flat)
+    if shard_starts is not None:  # the score_mod's two more arguments (see _on_shard)
+        inputs = operands[0] if op.step == "backward" else operands
+        inputs = inputs._replace(score_mod_args=tuple(inputs.score_mod_args) + shard_starts)
+        operands = (inputs,) + tuple(operands[1:]) if op.step == "backward" else inputs
     if op.step == "fp8_backward":
         result = op.kernels.fp8_backward(config, *operands)
     elif op.fp8:
@@ -125,12 +131,10 @@ def _infer(op, mesh, arg_shapes, result_shape):
 def _partition(op, mesh, arg_shapes, result_shape):
     split = _split(op, mesh, arg_shapes)
     shape = dict(mesh.shape)
-    why = getattr(op.kernels, "split_reason", lambda config: None)(op.config)
-    if why is not None and not split.trivial:  # never compute with the wrong rows
-        raise ValueError(f"{why} (batch over {split.batch or None}, heads over "
-                         f"{split.heads or None}): run it unsharded, or per device under "
-                         f"shard_map")
     local = P.local_config(op.config, split, shape)
+    on_shard = _reads_batch_or_head(op) and not split.trivial
+    if on_shard:
+        local = _on_shard(local)
 
     def per_device(*flat):
         flat = list(flat)
@@ -141,7 +145,11 @@ def _partition(op, mesh, arg_shapes, result_shape):
                 flat[i] = jax.lax.dynamic_slice_in_dim(flat[i], start, n + 1)
         if op.config.has_dropout and not split.trivial:
             flat = _fold_shard_into_rng(op, flat, split, shape)
-        outs = list(_run(op, local, flat))
+        starts = None
+        if on_shard:  # this shard's first batch row and query head
+            starts = tuple(jnp.asarray(P.shard_index(axes, shape) * n, jnp.int32) for axes, n in
+                           ((split.batch, local.batch), (split.heads, local.h_q)))
+        outs = list(_run(op, local, flat, starts))
         if op.fp8 and not split.trivial:  # amaxes: the max over every device's shard
             for i, dims in enumerate(op.out_dims):
                 if dims == SCALAR_DIMS:
@@ -155,6 +163,22 @@ def _partition(op, mesh, arg_shapes, result_shape):
 
     return (mesh, per_device, _shardings(mesh, split, op.out_dims),
             _shardings(mesh, split, op.in_dims))
+
+
+def _reads_batch_or_head(op: _Op) -> bool:
+    """Whether the call's score_mod may read batch / head numbers (soft-capping does not)."""
+    mod = op.config.score_mod
+    return mod is not None and not op.fp8 and not isinstance(mod, score_mods.SoftCap)
+
+
+def _on_shard(local: AttnConfig) -> AttnConfig:
+    """The shard's config with its score_mod seeing the call's batch and head numbers:
+    a shard computes rows b0.. and heads h0.. of the call, and a per-head slope or a
+    per-batch argument must be read by those numbers, not by the shard's own 0..;
+    b0 and h0 go in as two more (traced) score_mod_args."""
+    return dataclasses.replace(local, score_mod=score_mods.on_shard(local.score_mod),
+                               score_mod_arg_specs=tuple(local.score_mod_arg_specs)
+                               + (((), "int32"),) * 2)
 
 
 def _fold_shard_into_rng(op: _Op, flat, split: P.Split, shape):
