@@ -94,6 +94,32 @@ def test_cudnn_split_matches_one_gpu_without_gathers(n_gpus, split, options):
     sc.assert_same(single, sharded, SPLIT_TOL)
 
 
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("mod", ["alibi", "alibi_lambda", "head_mask"])
+def test_cudnn_score_mods_split_by_the_calls_head_numbers(n_gpus, split, mod):
+    """Each shard's score_mod reads the call's head numbers (native_call._on_shard):
+    per-head slopes and a head-dependent mask give the one-GPU numbers, no gather."""
+    b, s, h, d = 2 * n_gpus, 512, 4 * n_gpus, 64
+    q, k, v, d_out = _qkv(b, s, h, h, d)
+    mesh, spec = SPLITS[split](n_gpus)
+    slopes = jnp.asarray(fusedattn.score_mods.alibi_slopes(h))
+    options = {
+        "alibi": dict(score_mod=fusedattn.score_mods.alibi(h)),
+        "alibi_lambda": dict(score_mod=lambda sc_, b_, h_, q_, k_, sl: sc_ + sl[h_] * (k_ - q_),
+                             score_mod_args=(slopes,)),
+        "head_mask": dict(mask_mod=lambda b_, h_, q_, k_: (k_ <= q_) | (h_ % 2 == 1)),
+    }[mod]
+
+    def f(q, k, v):
+        return fusedattn.fused_attn(q, k, v, mask="causal" if mod != "head_mask" else "none",
+                                    backend="cudnn", **options)
+
+    shard = NamedSharding(mesh, spec)
+    single, sharded, counts, _ = sc.run(f, [q, k, v], [shard] * 3, d_out, n_diff=3)
+    assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
+    sc.assert_same(single, sharded, SPLIT_TOL)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded-keys", "packed-keys"])
 def test_small_seq_token_split_matches_one_gpu(n_gpus, packed):
     n, h_q, h_kv, d = 1024 * n_gpus, 8, 4, 128

@@ -132,7 +132,7 @@ def _partition(op, mesh, arg_shapes, result_shape):
     split = _split(op, mesh, arg_shapes)
     shape = dict(mesh.shape)
     local = P.local_config(op.config, split, shape)
-    on_shard = _reads_batch_or_head(op) and not split.trivial
+    on_shard = not op.fp8 and _reads_shard_numbers(op.config.score_mod, split)
     if on_shard:
         local = _on_shard(local)
 
@@ -165,10 +165,12 @@ def _partition(op, mesh, arg_shapes, result_shape):
             _shardings(mesh, split, op.in_dims))
 
 
-def _reads_batch_or_head(op: _Op) -> bool:
-    """Whether the call's score_mod may read batch / head numbers (soft-capping does not)."""
-    mod = op.config.score_mod
-    return mod is not None and not op.fp8 and not isinstance(mod, score_mods.SoftCap)
+def _reads_shard_numbers(mod, split: P.Split) -> bool:
+    """Whether a score_mod may read batch / head numbers that this split makes differ
+    between a shard and the call (soft-capping reads none, ALiBi only heads)."""
+    if mod is None or split.trivial or isinstance(mod, score_mods.SoftCap):
+        return False
+    return bool(split.heads) if isinstance(mod, score_mods.Alibi) else True
 
 
 def _on_shard(local: AttnConfig) -> AttnConfig:
