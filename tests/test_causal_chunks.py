@@ -149,3 +149,22 @@ def test_cudnn_lowers_one_call_per_chunk_for_cuda(monkeypatch):
         plan = str(fusedattn.explain(q, q, q, mask="causal", score_mod=mod, backend="cudnn"))
     assert text.count("fusedattn_cudnn_fwd") == 4 and text.count("fusedattn_cudnn_bwd") == 4
     assert "4 query chunks of 64 rows: 62% of the tiles" in plan
+
+
+def test_chunks_under_a_batch_and_head_split():
+    """Chunk calls through the partitioning rule (around the XLA kernels): each shard's
+    chunk sees the call's heads and its chunk's positions at once."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from fusedattn.backends import native_call
+    config, inputs, parts = _call("alibi bottom-right")
+    mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    shard = NamedSharding(mesh, P("dp", None, "tp"))
+    run = lambda c, i: native_call.attention("xla", c, i, need_lse=True)  # noqa: E731
+    split = jax.jit(lambda i: causal_chunks.attention(config, i, parts, run))(
+        inputs._replace(q=jax.device_put(inputs.q, shard), k=jax.device_put(inputs.k, shard),
+                        v=jax.device_put(inputs.v, shard)))
+    whole = jax.jit(lambda i: xla.attention_with_lse(config, i))(inputs)
+    for g, w in zip(split, whole):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
