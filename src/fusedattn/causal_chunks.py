@@ -10,7 +10,7 @@ non-causal one's time). In n query chunks of c rows, chunk i's rows only see key
 * the chunk's causal mask in bottom-right alignment, which in the chunk's own
   coordinates is exactly the global mask (top-left or bottom-right, s_kv >= s_q);
 * the score_mod (and mask_mod) shifted by the chunk's first query and key position
-  (`Shifted`), constants of the chunk's lowered program;
+  (`Offsets`), constants of the chunk's lowered program;
 * the call's window, if any, which also trims the chunk's first keys.
 
 Every chunk's output and LSE are complete for its rows, so they are concatenated, not
@@ -32,52 +32,28 @@ import jax
 import jax.numpy as jnp
 
 from .config import AttnConfig
-from .score_mods import Masked
+from .score_mods import reindexed
 
 ENV_CHUNKS = "FUSEDATTN_FLEX_CAUSAL_CHUNKS"
 DEFAULT_CHUNKS = 1
 
 
 @dataclasses.dataclass(frozen=True)
-class Shifted:
-    """``score_mod`` seen from a chunk: its q_idx / kv_idx shifted back to the call's."""
-    score_mod: Callable
+class Offsets:
+    """Indices of a chunk whose first query / key are these positions of the call."""
     q_offset: int
     kv_offset: int
 
-    @property
-    def __name__(self) -> str:
-        return f"{getattr(self.score_mod, '__name__', 'score_mod')}@q+{self.q_offset},kv+{self.kv_offset}"
+    def __call__(self, batch, head, q_idx, kv_idx):
+        return batch, head, q_idx + self.q_offset, kv_idx + self.kv_offset
 
-    def __call__(self, score, batch, head, q_idx, kv_idx, *args):
-        return self.score_mod(score, batch, head, q_idx + self.q_offset, kv_idx + self.kv_offset,
-                              *args)
-
-
-@dataclasses.dataclass(frozen=True)
-class ShiftedMask:
-    """A mask_mod seen from a chunk (see `Shifted`)."""
-    mask_mod: Callable
-    q_offset: int
-    kv_offset: int
-
-    @property
-    def __name__(self) -> str:
-        return f"{getattr(self.mask_mod, '__name__', 'mask_mod')}@q+{self.q_offset},kv+{self.kv_offset}"
-
-    def __call__(self, batch, head, q_idx, kv_idx, *args):
-        return self.mask_mod(batch, head, q_idx + self.q_offset, kv_idx + self.kv_offset, *args)
+    def __str__(self) -> str:
+        return f"q+{self.q_offset},kv+{self.kv_offset}"
 
 
 def shifted(score_mod, q_offset: int, kv_offset: int):
-    """`score_mod` for a chunk whose first query / key are these global positions; a
-    `Masked` stays one (its mask_mod shifted too), so lowering keeps the mask out of
-    the backward program as for the whole call."""
-    if isinstance(score_mod, Masked):
-        inner = None if score_mod.score_mod is None else Shifted(score_mod.score_mod, q_offset,
-                                                                 kv_offset)
-        return Masked(inner, ShiftedMask(score_mod.mask_mod, q_offset, kv_offset))
-    return Shifted(score_mod, q_offset, kv_offset)
+    """`score_mod` for a chunk whose first query / key are these positions of the call."""
+    return reindexed(score_mod, Offsets(q_offset, kv_offset))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -126,31 +126,53 @@ class Masked:
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardIndices:
-    """A score_mod (or, with ``mask``, a mask_mod) run on one shard of a batch / head
-    split: it takes two more score_mod_args, the shard's first batch row and first
-    query head (traced int32 scalars), and sees the call's batch and head numbers.
-    Built by the partitioning rule (`backends/native_call.py`), never by users."""
+class Reindexed:
+    """A score_mod (or, with ``mask``, a mask_mod) that sees other batch, head and
+    position numbers than its caller passes: a piece of a call (a shard, a chunk, a
+    context-parallel block) computes with its own 0.. numbering, and the function
+    must see the call's. ``indices(batch, head, q_idx, kv_idx, *extra)`` gives the
+    call's numbers, `extra` being the last `n_extra` score_mod_args (traced values
+    such as a shard's first head). Built by fusedattn's own splitting, never by users;
+    `reindexed` wraps a `Masked` part by part."""
     fn: object
+    indices: object  # a hashable callable (a frozen dataclass below)
+    n_extra: int = 0
     mask: bool = False
 
     @property
     def __name__(self) -> str:
-        return f"{getattr(self.fn, '__name__', 'score_mod')}@shard"
+        return f"{getattr(self.fn, '__name__', 'score_mod')}@{self.indices}"
 
     def __call__(self, *a):
-        *front, batch_start, head_start = a
+        extra = a[len(a) - self.n_extra:]
+        a = a[:len(a) - self.n_extra]
         if self.mask:  # (batch, head, q_idx, kv_idx, *args)
-            batch, head, *rest = front
-            return self.fn(batch + batch_start, head + head_start, *rest)
-        score, batch, head, *rest = front
-        return self.fn(score, batch + batch_start, head + head_start, *rest)
+            return self.fn(*self.indices(*a[:4], *extra), *a[4:])
+        return self.fn(a[0], *self.indices(*a[1:5], *extra), *a[5:])
+
+
+def reindexed(score_mod, indices, n_extra: int = 0):
+    """`score_mod` seeing `indices`' numbers (see `Reindexed`); a `Masked` stays one, so
+    a lowering still tells its mask from its score_mod."""
+    if isinstance(score_mod, Masked):
+        inner = (None if score_mod.score_mod is None
+                 else Reindexed(score_mod.score_mod, indices, n_extra))
+        return Masked(inner, Reindexed(score_mod.mask_mod, indices, n_extra, mask=True))
+    return Reindexed(score_mod, indices, n_extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardStarts:
+    """Indices of one shard of a batch / head split: its first batch row and query
+    head come as two extra arguments."""
+    def __call__(self, batch, head, q_idx, kv_idx, batch_start, head_start):
+        return batch + batch_start, head + head_start, q_idx, kv_idx
+
+    def __str__(self) -> str:
+        return "shard"
 
 
 def on_shard(score_mod):
-    """`score_mod` for one shard of a batch / head split (see `ShardIndices`); a
-    `Masked` stays one, so a lowering still tells its mask from its score_mod."""
-    if isinstance(score_mod, Masked):
-        inner = None if score_mod.score_mod is None else ShardIndices(score_mod.score_mod)
-        return Masked(inner, ShardIndices(score_mod.mask_mod, mask=True))
-    return ShardIndices(score_mod)
+    """`score_mod` for one shard of a batch / head split: two more score_mod_args, the
+    shard's first batch row and first query head (traced int32 scalars)."""
+    return reindexed(score_mod, ShardStarts(), 2)
