@@ -62,6 +62,44 @@ def test_matches_the_oracle(strategy, mask, sequence):
         assert counts["all-gather"] > 0, counts
 
 
+SCORE_MODS = {  # name -> (score_mod, mask_mod, score_mod_args)
+    "alibi": (fusedattn.score_mods.alibi(4), None, ()),
+    "relative_position": (lambda s, b, h, q, k: s + 0.05 * (q - k), None, ()),
+    # (multiplicative: a per-row constant added to the scores would cancel in the softmax)
+    "head_and_batch_numbers": (lambda s, b, h, q, k, w: s * (1.0 + 0.2 * w[h] + 0.3 * b), None,
+                               (jnp.arange(4, dtype=jnp.int32),)),
+    "position_mask": (None, lambda b, h, q, k: (k <= q) | (k < 8), ()),
+}
+
+
+@pytest.mark.parametrize("strategy,mask,sequence", [
+    ("ring", "causal", "dense"), ("ring", "none", "padding"), ("ring", "causal", "padding"),
+    ("allgather", "causal", "dense"), ("allgather", "none", "dense"),
+])
+@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+def test_score_mods_see_the_calls_positions(name, strategy, mask, sequence):
+    """Blocks run with their own row numbers; the score_mod / mask_mod must see the
+    call's (zig-zag halves, the ring's source device, batch and head shards): the
+    split call equals the unsplit one, forward and gradients."""
+    mod, mask_mod, args = SCORE_MODS[name]
+    case = attn_cases.Case(b=2, s_q=64, s_kv=64, h_q=4, h_kv=2, d_qk=16, d_v=16, mask=mask,
+                           sequence=sequence)
+    built = attn_cases.build(case)
+    mesh = jax.make_mesh((2, 2, 2), ("dp", "cp", "tp"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    cp = ContextParallel("cp", strategy=strategy, mesh=mesh, batch_axes=("dp",),
+                         head_axes=("tp",))
+
+    def f(q, k, v, cp=cp):
+        return fusedattn.fused_attn(q, k, v, mask=mask, sequence=built.sequence, score_mod=mod,
+                                    mask_mod=mask_mod, score_mod_args=args,
+                                    context_parallel=cp, backend="xla")
+    shard = NamedSharding(mesh, P("dp", "cp", "tp"))
+    single, sharded, _, _ = sc.run(f, [built.q, built.k, built.v], [shard] * 3, built.d_out,
+                                   reference=functools.partial(f, cp=None))
+    sc.assert_same(single, sharded, TOL)
+
+
 def test_two_devices_and_no_load_balance():
     case = attn_cases.Case(b=2, s_q=32, s_kv=32, h_q=2, h_kv=2, d_qk=8, d_v=8, mask="causal")
     _check(case, "ring", dp=1, n=2, load_balance=False)

@@ -102,8 +102,10 @@ def config_reason(config: AttnConfig, cp: ContextParallel, n: int) -> Optional[s
         (config.has_dropout, "dropout is not supported with context parallelism"),
         (config.softmax != "vanilla", "softmax sinks are not supported with context "
                                       "parallelism (the sink must enter the merge once)"),
-        (config.score_mod is not None, "score_mod is not supported with context parallelism "
-                                       "(it sees positions inside a block)"),
+        (any(jnp.issubdtype(jnp.dtype(d), jnp.floating) for _, d in config.score_mod_arg_specs),
+         "floating score_mod_args under context parallelism (their gradients would need "
+         "the whole score matrix): close over constants in the function, or use "
+         "fusedattn.score_mods.alibi"),
         (config.bottom_right and config.is_padded,
          "mask='causal_bottom_right' with padding under context parallelism (use 'causal')"),
         (cp.strategy == "allgather" and zigzag and config.is_padded,
@@ -189,20 +191,27 @@ def attention(config: AttnConfig, inputs, cp: ContextParallel, backend: str) -> 
     spec = PartitionSpec(entry(batch), cp.axis, entry(heads))
     lengths = PartitionSpec()  # tiny: every device slices its batch rows
 
-    def per_device(q, k, v, q_len, kv_len):
+    def per_device(q, k, v, q_len, kv_len, args):
         local = dataclasses.replace(config, batch=q.shape[0], h_q=q.shape[2], h_kv=k.shape[2],
                                     s_q=q.shape[1], s_kv=k.shape[1])
+        shape = dict(mesh.shape)
+        batch_start = shard_index(batch, shape) * local.batch if batch else 0
         if batch:
-            start = shard_index(batch, dict(mesh.shape)) * local.batch
-            q_len, kv_len = (jax.lax.dynamic_slice_in_dim(x, start, local.batch)
+            q_len, kv_len = (jax.lax.dynamic_slice_in_dim(x, batch_start, local.batch)
                              for x in (q_len, kv_len))
+        # A score_mod sees the call's batch, head and position numbers (BlockPositions).
+        head_start = shard_index(heads, shape) * local.h_q if heads else 0
+        extra = () if config.score_mod is None else (args, batch_start, head_start)
         st = _Static(local, cp.axis, n, cp.strategy, zigzag, backend, move)
-        return _attend(st, q, k, v, q_len.astype(jnp.int32), kv_len.astype(jnp.int32))
+        return _attend(st, q, k, v, q_len.astype(jnp.int32), kv_len.astype(jnp.int32), extra)
 
-    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(spec, spec, spec, lengths, lengths),
+    args = tuple(inputs.score_mod_args)
+    fn = jax.shard_map(per_device, mesh=mesh,
+                       in_specs=(spec, spec, spec, lengths, lengths,
+                                 tuple(PartitionSpec() for _ in args)),
                        out_specs=spec, axis_names=frozenset((cp.axis,) + batch + heads),
                        check_vma=False)
-    return fn(inputs.q, inputs.k, inputs.v, q_len, kv_len)
+    return fn(inputs.q, inputs.k, inputs.v, q_len, kv_len, args)
 
 
 def _other_axes(config: AttnConfig, q, cp: ContextParallel, mesh):

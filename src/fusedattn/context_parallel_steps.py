@@ -20,6 +20,7 @@ import numpy as np
 
 from .backends.base import AttnInputs
 from .config import AttnConfig
+from .score_mods import reindexed
 from .sequence import SequenceDescriptor
 
 F32 = jnp.float32
@@ -156,18 +157,78 @@ def _ring_case(st: _Static, r, src):
     return jnp.where(src == r, 0, jnp.where(src < r, 1, 2)).astype(jnp.int32)
 
 
-def _block_call(st: _Static, block: _Block, q_len, kv_len):
+def _block_call(st: _Static, block: _Block, q_len, kv_len, score_args=()):
     """The block's config, and a function making its inputs (padding lengths: the
-    [b] valid prefixes of its q and kv rows)."""
+    [b] valid prefixes of its q and kv rows; a score_mod's arguments, `_score_args`)."""
     cfg = dataclasses.replace(
         st.config, s_q=block.q_rows[1] - block.q_rows[0], s_kv=block.kv_rows[1] - block.kv_rows[0],
         mask=block.mask, sequence="padding" if (st.config.is_padded or
                                                 block.mask == "causal_bottom_right") else "dense")
+    if cfg.score_mod is not None:
+        positions = BlockPositions(_spans_halves(st, block.q_rows),
+                                   st.strategy == "ring" and _spans_halves(st, block.kv_rows))
+        cfg = dataclasses.replace(
+            cfg, score_mod=reindexed(cfg.score_mod, positions, BlockPositions.N_EXTRA),
+            score_mod_arg_specs=tuple(cfg.score_mod_arg_specs)
+            + (((), "int32"),) * BlockPositions.N_EXTRA)
 
     def inputs(q, k, v):
         seq = SequenceDescriptor.from_lengths(q_len, kv_len) if cfg.is_padded else None
-        return AttnInputs(q=q, k=k, v=v, sequence=seq)
+        return AttnInputs(q=q, k=k, v=v, sequence=seq, score_mod_args=tuple(score_args))
     return cfg, inputs
+
+
+# ---- score_mods: the call's positions inside a block -----------------------------------
+@dataclasses.dataclass(frozen=True)
+class BlockPositions:
+    """Indices of a block (`score_mods.Reindexed`): the device's first batch row and
+    head, and for queries and keys a split point with the offsets before and after
+    it, where a block's rows span both zig-zag halves (which sit apart in the call);
+    elsewhere one offset."""
+    N_EXTRA = 8
+    q_split: bool = False
+    kv_split: bool = False
+
+    def __call__(self, batch, head, q_idx, kv_idx, batch_start, head_start, q_split, q_before,
+                 q_after, kv_split, kv_before, kv_after):
+        def place(idx, split, before, after, spans):
+            return idx + (jnp.where(idx < split, before, after) if spans else before)
+        return (batch + batch_start, head + head_start,
+                place(q_idx, q_split, q_before, q_after, self.q_split),
+                place(kv_idx, kv_split, kv_before, kv_after, self.kv_split))
+
+    def __str__(self) -> str:
+        return "cp-block"
+
+
+def _spans_halves(st: _Static, rows: Tuple[int, int]) -> bool:
+    h = st.config.s_q // 2
+    return st.zigzag and rows[0] < h < rows[1]
+
+
+def _positions(st: _Static, rows: Tuple[int, int], device):
+    """(split, offset before, offset after): row j of a block starting at local row
+    rows[0] of `device` sits at position j + offset of the call."""
+    a, b = rows
+    h = st.config.s_q // 2
+    if not st.zigzag or b <= h:  # all rows in the first (or only) local segment
+        start = st.segment_start(device, 0) + a
+        return 0, start, start
+    second = st.segment_start(device, 1) + a - h
+    if a >= h:
+        return 0, second, second
+    return h - a, st.segment_start(device, 0) + a, second
+
+
+def _score_args(st: _Static, block: _Block, r, src, extra):
+    """A block's score_mod arguments: the user's, then `BlockPositions`' eight (keys
+    of device `src`, or in natural order when `src` is None: all gathered)."""
+    if st.config.score_mod is None:
+        return ()
+    user, batch_start, head_start = extra
+    kv = (0, 0, 0) if src is None else _positions(st, block.kv_rows, src)
+    ints = (batch_start, head_start) + _positions(st, block.q_rows, r) + kv
+    return tuple(user) + tuple(jnp.asarray(x, jnp.int32) for x in ints)
 
 
 def _rows(x, rows, axis=1):
@@ -180,7 +241,7 @@ def _pad_rows(x, rows, size, axis=1, value=0.0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _block_forward(st: _Static, block: _Block, q, k, v, q_len, kv_len):
+def _block_forward(st: _Static, block: _Block, q, k, v, q_len, kv_len, score_args):
     """(out [b, c, h, d_v] in q's dtype, lse fp32 [b, h, c]) over all local rows: 0 / -inf
     on rows that see no key of this block. Kept in q's dtype (the kernel's own output)
     until the merge: an fp32 copy per block would double the memory of every step."""
@@ -188,7 +249,7 @@ def _block_forward(st: _Static, block: _Block, q, k, v, q_len, kv_len):
     if block.mask == "skip":
         return (jnp.zeros(q.shape[:3] + (v.shape[-1],), q.dtype),
                 jnp.full((b, q.shape[2], c), NEG_INF, F32))
-    cfg, make = _block_call(st, block, q_len, kv_len)
+    cfg, make = _block_call(st, block, q_len, kv_len, score_args)
     out, lse = _kernels(st.backend)[0](
         cfg, make(_rows(q, block.q_rows), _rows(k, block.kv_rows), _rows(v, block.kv_rows)), True)
     rows = block.q_rows[1] - block.q_rows[0]
@@ -198,14 +259,15 @@ def _block_forward(st: _Static, block: _Block, q, k, v, q_len, kv_len):
     return _pad_rows(out, block.q_rows, c), _pad_rows(lse, block.q_rows, c, 2, NEG_INF)
 
 
-def _block_backward(st: _Static, block: _Block, q, k, v, out, lse, d_out, q_len, kv_len):
+def _block_backward(st: _Static, block: _Block, q, k, v, out, lse, d_out, q_len, kv_len,
+                    score_args):
     """(dq [b, c, ..], dk, dv [b, c, ..]) of this block given the merged out / lse, in
     the kernels' output dtypes (accumulated in fp32 by the caller)."""
     c = st.config.s_q
     zeros = jnp.zeros_like
     if block.mask == "skip":
         return zeros(q), zeros(k), zeros(v)
-    cfg, make = _block_call(st, block, q_len, kv_len)
+    cfg, make = _block_call(st, block, q_len, kv_len, score_args)
     qr, kr = block.q_rows, block.kv_rows
     lse = jnp.where(lse == NEG_INF, _EMPTY_ROW_LSE, lse)
     grads = _kernels(st.backend)[1](
@@ -240,33 +302,35 @@ def _shift(x, st: _Static):
     return jax.lax.ppermute(x, st.axis, [(i, (i + 1) % st.n) for i in range(st.n)])
 
 
-def _ring_forward(st: _Static, q, k, v, q_len, kv_len):
+def _ring_forward(st: _Static, q, k, v, q_len, kv_len, extra):
     r = jax.lax.axis_index(st.axis)
     acc = None
     for t in range(st.n):
         # Issue the next block's transfer before this block's kernel: XLA overlaps them.
         nxt = _shift((k, v), st) if t < st.n - 1 else None
         src = (r - t) % st.n
-        part = _switch(st, _ring_case(st, r, src), _ring_block_fwd, q, k, v, q_len, kv_len, r, src)
+        part = _switch(st, _ring_case(st, r, src), _ring_block_fwd, q, k, v, q_len, kv_len, r, src,
+                       extra)
         acc = part if acc is None else _merge(acc, part)
         if nxt is not None:
             k, v = nxt
     return acc
 
 
-def _ring_block_fwd(block, st, q, k, v, q_len, kv_len, r, src):
+def _ring_block_fwd(block, st, q, k, v, q_len, kv_len, r, src, extra):
     ql = _prefix_len(st, q_len, r, block.q_rows)
     kl = _prefix_len(st, kv_len, src, block.kv_rows)
-    return _block_forward(st, block, q, k, v, ql, kl)
+    return _block_forward(st, block, q, k, v, ql, kl, _score_args(st, block, r, src, extra))
 
 
-def _ring_block_bwd(block, st, q, k, v, out, lse, d_out, q_len, kv_len, r, src):
+def _ring_block_bwd(block, st, q, k, v, out, lse, d_out, q_len, kv_len, r, src, extra):
     ql = _prefix_len(st, q_len, r, block.q_rows)
     kl = _prefix_len(st, kv_len, src, block.kv_rows)
-    return _block_backward(st, block, q, k, v, out, lse, d_out, ql, kl)
+    return _block_backward(st, block, q, k, v, out, lse, d_out, ql, kl,
+                           _score_args(st, block, r, src, extra))
 
 
-def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len):
+def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len, extra):
     r = jax.lax.axis_index(st.axis)
     dq = jnp.zeros(q.shape, F32)
     dk, dv = jnp.zeros_like(k), jnp.zeros_like(v)
@@ -274,7 +338,7 @@ def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len):
         nxt = _shift((k, v), st) if t < st.n - 1 else None
         src = (r - t) % st.n
         g = _switch(st, _ring_case(st, r, src), _ring_block_bwd, q, k, v, out, lse, d_out,
-                    q_len, kv_len, r, src)
+                    q_len, kv_len, r, src, extra)
         dq = dq + g[0].astype(F32)
         # The kv gradients travel with their block, in k's dtype (half the bytes of
         # fp32; one rounding per hop, n in all); after the last step one more hop
@@ -295,7 +359,7 @@ def _gather_blocks(st: _Static, r):
     return [((a, b), st.segment_start(r, i) + (b - a)) for i, (a, b) in enumerate(st.segments)]
 
 
-def _gather_forward(st: _Static, q, k_all, v_all, q_len, kv_len):
+def _gather_forward(st: _Static, q, k_all, v_all, q_len, kv_len, extra):
     r = jax.lax.axis_index(st.axis)
     outs, lses = [], []
     total = k_all.shape[1]
@@ -303,13 +367,14 @@ def _gather_forward(st: _Static, q, k_all, v_all, q_len, kv_len):
         block = _Block(rows, (0, total), "none" if prefix is None else "causal_bottom_right")
         ql = _prefix_len(st, q_len, r, rows)
         kl = jnp.clip(kv_len, 0, total) if prefix is None else jnp.broadcast_to(prefix, ql.shape)
-        out, lse = _block_forward(st, block, q, k_all, v_all, ql, kl.astype(jnp.int32))
+        out, lse = _block_forward(st, block, q, k_all, v_all, ql, kl.astype(jnp.int32),
+                                  _score_args(st, block, r, None, extra))
         outs.append(out)
         lses.append(lse)
     return functools.reduce(_merge, zip(outs, lses))
 
 
-def _gather_backward(st: _Static, q, k_all, v_all, out, lse, d_out, q_len, kv_len):
+def _gather_backward(st: _Static, q, k_all, v_all, out, lse, d_out, q_len, kv_len, extra):
     r = jax.lax.axis_index(st.axis)
     dq = jnp.zeros(q.shape, F32)
     dk, dv = jnp.zeros(k_all.shape, F32), jnp.zeros(v_all.shape, F32)
@@ -318,7 +383,8 @@ def _gather_backward(st: _Static, q, k_all, v_all, out, lse, d_out, q_len, kv_le
         block = _Block(rows, (0, total), "none" if prefix is None else "causal_bottom_right")
         ql = _prefix_len(st, q_len, r, rows)
         kl = jnp.clip(kv_len, 0, total) if prefix is None else jnp.broadcast_to(prefix, ql.shape)
-        g = _block_backward(st, block, q, k_all, v_all, out, lse, d_out, ql, kl.astype(jnp.int32))
+        g = _block_backward(st, block, q, k_all, v_all, out, lse, d_out, ql, kl.astype(jnp.int32),
+                            _score_args(st, block, r, None, extra))
         dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
     if st.zigzag and not st.reorder:  # back to the callers' (zig-zag) token order
         order = zigzag_order(k_all.shape[1], st.n)
@@ -367,40 +433,42 @@ def zigzag_order(seq_len: int, n: int):
     return np.concatenate([np.arange(j * h, (j + 1) * h) for j in halves])
 
 
-def _forward(st: _Static, q, k, v, q_len, kv_len):
+def _forward(st: _Static, q, k, v, q_len, kv_len, extra):
     """(out in q's dtype, lse [b, h, c]) in natural order, and the residuals."""
     zq = _to_zigzag(st, q)
     if st.strategy == "ring":
         zk, zv = _to_zigzag(st, k), _to_zigzag(st, v)
-        out, lse = _ring_forward(st, zq, zk, zv, q_len, kv_len)
+        out, lse = _ring_forward(st, zq, zk, zv, q_len, kv_len, extra)
     else:
         zk, zv = (_gathered_in_natural_order(st, x) for x in (k, v))
-        out, lse = _gather_forward(st, zq, zk, zv, q_len, kv_len)
+        out, lse = _gather_forward(st, zq, zk, zv, q_len, kv_len, extra)
     out = out.astype(q.dtype)
     return out, lse, (zq, zk, zv, out, lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(st: _Static, q, k, v, q_len, kv_len):
-    out, _, _ = _forward(st, q, k, v, q_len, kv_len)
+def _attend(st: _Static, q, k, v, q_len, kv_len, extra):
+    """`extra`: () without a score_mod, else (its integer arguments, this device's first
+    batch row, first head); they take no gradient (floating ones are refused)."""
+    out, _, _ = _forward(st, q, k, v, q_len, kv_len, extra)
     return _from_zigzag(st, out)
 
 
-def _attend_fwd(st, q, k, v, q_len, kv_len):
-    out, _, res = _forward(st, q, k, v, q_len, kv_len)
-    return _from_zigzag(st, out), (res, q_len, kv_len)
+def _attend_fwd(st, q, k, v, q_len, kv_len, extra):
+    out, _, res = _forward(st, q, k, v, q_len, kv_len, extra)
+    return _from_zigzag(st, out), (res, q_len, kv_len, extra)
 
 
 def _attend_bwd(st, residuals, d_out):
-    (zq, zk, zv, out, lse), q_len, kv_len = residuals
+    (zq, zk, zv, out, lse), q_len, kv_len, extra = residuals
     zd = _to_zigzag(st, d_out.astype(out.dtype))
     if st.strategy == "ring":
-        dq, dk, dv = _ring_backward(st, zq, zk, zv, out, lse, zd, q_len, kv_len)
+        dq, dk, dv = _ring_backward(st, zq, zk, zv, out, lse, zd, q_len, kv_len, extra)
         dk, dv = _from_zigzag(st, dk), _from_zigzag(st, dv)
     else:
-        dq, dk, dv = _gather_backward(st, zq, zk, zv, out, lse, zd, q_len, kv_len)
+        dq, dk, dv = _gather_backward(st, zq, zk, zv, out, lse, zd, q_len, kv_len, extra)
     dq = _from_zigzag(st, dq)
-    return (dq.astype(zq.dtype), dk.astype(zk.dtype), dv.astype(zv.dtype), None, None)
+    return (dq.astype(zq.dtype), dk.astype(zk.dtype), dv.astype(zv.dtype), None, None, None)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

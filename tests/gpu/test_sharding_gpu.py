@@ -215,6 +215,31 @@ def test_cudnn_context_parallel_matches_one_gpu(n_gpus, strategy, mask, padded):
     sc.assert_same(single, sharded, CP_TOL)
 
 
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("mod", ["alibi", "relative_position"])
+def test_cudnn_context_parallel_score_mods_see_the_calls_positions(n_gpus, strategy, mod):
+    """Each block's lowered program reads the call's positions (BlockPositions); where
+    cuDNN's engines refuse that arithmetic, the plan says so and the test skips."""
+    b, s, h, d = 2, 4096, 8, 64
+    q, k, v, d_out = _qkv(b, s, h, h, d)
+    mesh = jax.make_mesh((n_gpus,), ("cp",))
+    cp = ContextParallel("cp", strategy=strategy, mesh=mesh)
+    score_mod = {"alibi": fusedattn.score_mods.alibi(h),
+                 "relative_position": lambda sc_, b_, h_, q_, k_: sc_ + 0.01 * (q_ - k_)}[mod]
+    plan = fusedattn.explain(q, k, v, mask="causal", score_mod=score_mod, context_parallel=cp,
+                             backend="cudnn")
+    if plan.chosen != "cudnn":
+        pytest.skip(f"cuDNN refuses a block: {dict(plan.reasons)['cudnn'][:300]}")
+
+    def f(q, k, v, cp=cp):
+        return fusedattn.fused_attn(q, k, v, mask="causal", score_mod=score_mod,
+                                    context_parallel=cp, backend="cudnn")
+    shard = NamedSharding(mesh, P(None, "cp"))
+    single, sharded, _, _ = sc.run(f, [q, k, v], [shard] * 3, d_out,
+                                   reference=lambda q, k, v: f(q, k, v, None))
+    sc.assert_same(single, sharded, CP_TOL)
+
+
 def test_cudnn_ring_at_32k_matches_one_gpu(n_gpus):
     b, s, h, d = 1, 32768, 8, 128
     q, k, v, d_out = _qkv(b, s, h, h, d, seed=11)
