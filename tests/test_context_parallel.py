@@ -147,6 +147,8 @@ def test_native_kernels_inside_the_ring_split_batch_without_gathers(monkeypatch)
     (dict(dropout=0.1, rng=jax.random.PRNGKey(0)), "dropout"),
     (dict(softmax="off_by_one"), "softmax sinks"),
     (dict(layout="sbhd"), "bshd layout"),
+    (dict(score_mod=lambda s, b, h, q, k, w: s * w[h], score_mod_args=(jnp.ones((2,)),)),
+     "floating score_mod_args"),
 ])
 def test_refusals_name_the_reason(options, reason):
     mesh = _mesh(1, 4)
