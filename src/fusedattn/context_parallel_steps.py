@@ -20,7 +20,7 @@ import numpy as np
 
 from .backends.base import AttnInputs
 from .config import AttnConfig
-from .score_mods import reindexed
+from .score_mods import reindexed_config
 from .sequence import SequenceDescriptor
 
 F32 = jnp.float32
@@ -167,10 +167,7 @@ def _block_call(st: _Static, block: _Block, q_len, kv_len, score_args=()):
     if cfg.score_mod is not None:
         positions = BlockPositions(_spans_halves(st, block.q_rows),
                                    st.strategy == "ring" and _spans_halves(st, block.kv_rows))
-        cfg = dataclasses.replace(
-            cfg, score_mod=reindexed(cfg.score_mod, positions, BlockPositions.N_EXTRA),
-            score_mod_arg_specs=tuple(cfg.score_mod_arg_specs)
-            + (((), "int32"),) * BlockPositions.N_EXTRA)
+        cfg = reindexed_config(cfg, positions, BlockPositions.N_EXTRA)
 
     def inputs(q, k, v):
         seq = SequenceDescriptor.from_lengths(q_len, kv_len) if cfg.is_padded else None

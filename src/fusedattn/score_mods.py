@@ -172,7 +172,9 @@ class ShardStarts:
         return "shard"
 
 
-def on_shard(score_mod):
-    """`score_mod` for one shard of a batch / head split: two more score_mod_args, the
-    shard's first batch row and first query head (traced int32 scalars)."""
-    return reindexed(score_mod, ShardStarts(), 2)
+def reindexed_config(config, indices, n_extra: int = 0):
+    """`config` (an AttnConfig) whose score_mod sees `indices`' numbers, its `n_extra`
+    arguments added to the score_mod_args as int32 scalars."""
+    return dataclasses.replace(config, score_mod=reindexed(config.score_mod, indices, n_extra),
+                               score_mod_arg_specs=tuple(config.score_mod_arg_specs)
+                               + (((), "int32"),) * n_extra)

@@ -120,18 +120,12 @@ def _mask_args(config: AttnConfig):
                 window_size=(-1, -1) if is_causal else (left, right))
 
 
-class _FlashBackend:
+class _FlashBackend(native_call.NativeBackend):
     name = "flash"
     platforms = ("cuda",)
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         return config_reason(config) or availability_reason()
-
-    def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
-        why = self.supports(config)
-        if why is not None:
-            raise ValueError(f"flash backend cannot run {config.short()}: {why}")
-        return native_call.attention("flash", config, inputs)[0]
 
 
 BACKEND = _FlashBackend()

@@ -178,9 +178,7 @@ def _on_shard(local: AttnConfig) -> AttnConfig:
     a shard computes rows b0.. and heads h0.. of the call, and a per-head slope or a
     per-batch argument must be read by those numbers, not by the shard's own 0..;
     b0 and h0 go in as two more (traced) score_mod_args."""
-    return dataclasses.replace(local, score_mod=score_mods.on_shard(local.score_mod),
-                               score_mod_arg_specs=tuple(local.score_mod_arg_specs)
-                               + (((), "int32"),) * 2)
+    return score_mods.reindexed_config(local, score_mods.ShardStarts(), 2)
 
 
 def _fold_shard_into_rng(op: _Op, flat, split: P.Split, shape):
@@ -352,6 +350,19 @@ def _attend_with_lse_bwd(backend, config, residuals, cotangents):
 
 
 _attend_with_lse.defvjp(_attend_with_lse_fwd, _attend_with_lse_bwd)
+
+
+class NativeBackend:
+    """The `attention` of a backend whose per-device kernels this module wraps: the
+    backend's own `supports` first (its reason in the error), then the partitioned,
+    differentiable call. Subclasses set `name` and define `supports`."""
+    name: str
+
+    def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
+        why = self.supports(config)
+        if why is not None:
+            raise ValueError(f"{self.name} backend cannot run {config.short()}: {why}")
+        return attention(self.name, config, inputs)[0]
 
 
 # ---- FP8 kernels (fusedattn.fp8 differentiates them) ------------------------------------

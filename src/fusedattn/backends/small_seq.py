@@ -64,18 +64,12 @@ def _native_reason() -> Optional[str]:
     return native.ensure_targets(TARGETS)
 
 
-class _SmallSeqBackend:
+class _SmallSeqBackend(native_call.NativeBackend):
     name = "small_seq"
     platforms = ("cuda", "rocm")
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         return config_reason(config) or _native_reason()
-
-    def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
-        reason = self.supports(config)
-        if reason is not None:
-            raise ValueError(f"small_seq backend cannot run {config.short()}: {reason}")
-        return native_call.attention("small_seq", config, inputs)[0]
 
 
 def kv_index(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
