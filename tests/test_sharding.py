@@ -215,6 +215,24 @@ def test_explicit_mesh_batch_split():
     sc.assert_same(single, sharded, TOL)
 
 
+@pytest.mark.parametrize("spec", [P("dp"), P(None, None, "dp")], ids=["batch", "heads"])
+def test_explicit_mesh_xla_backend_with_learnable_score_mod_args(spec):
+    """The XLA backend under Explicit axes: its tiles reshape heads and scatter into
+    the per-head argument's gradient, which sharding in types refuses when heads are
+    split; they run with the axes Auto (partitioning.in_auto_axes), typed as q."""
+    mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    q, k, v, d_out = (_normal(i, (4, 32, 4, 8)) for i in range(4))
+    slopes = jnp.linspace(0.1, 0.8, 4, dtype=jnp.float32)
+
+    def f(q, k, v, slopes):
+        return fusedattn.fused_attn(q, k, v, mask="causal", backend="xla", score_mod_args=(slopes,),
+                                    score_mod=lambda s, b, h, i, j, sl: s + sl[h] * (j - i))
+    single, sharded, counts, _ = sc.run(f, [q, k, v, slopes],
+                                        [NamedSharding(mesh, spec)] * 3 + [None], d_out, n_diff=4)
+    assert counts["all-gather"] == 0, counts
+    sc.assert_same(single, sharded, TOL)
+
+
 @pytest.fixture
 def cuda_lowering(monkeypatch):
     monkeypatch.setenv("FUSEDATTN_PLATFORM", "cuda")

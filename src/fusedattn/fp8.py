@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import AttnConfig
+from .partitioning import typed_like
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -206,12 +207,15 @@ def _current_fwd(config, backend, q, k, v, sequence):
 
 def _current_bwd(config, backend, residuals, d_out):
     q8, k8, v8, o8, lse, sequence, fwd, stats = residuals
+    # The native backward's operands typed alike, so its results carry q's type.
+    d_out = typed_like(d_out, q8)
     scales = backward_scales(config, fwd, stats, d_out)
     do8 = quantize(d_out, scales.do, config.fp8_do)
     dq8, dk8, dv8, _ = _backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
     dtype = config.dtype
-    return (dequantize(dq8, scales.dq, dtype), dequantize(dk8, scales.dk, dtype),
-            dequantize(dv8, scales.dv, dtype), None)
+    # Each gradient carries its primal's sharding type (Explicit mesh axes).
+    return tuple(typed_like(dequantize(g, s, dtype), x) for g, s, x in
+                 ((dq8, scales.dq, q8), (dk8, scales.dk, k8), (dv8, scales.dv, v8))) + (None,)
 
 
 _current.defvjp(_current_fwd, _current_bwd)
@@ -283,10 +287,11 @@ def _explicit_fwd(config, backend, q8, k8, v8, sequence, scales, backward_amax):
 
 def _explicit_bwd(config, backend, residuals, cotangents):
     q8, k8, v8, o8, lse, sequence, scales = residuals
-    d_out = cotangents[0]
+    d_out = typed_like(cotangents[0], q8)
     do8 = d_out if config.fp8_out else quantize(d_out, scales.do, config.fp8_do)
     dq8, dk8, dv8, bwd_amax = _backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
     zeros = Fp8Scales(*(jnp.zeros_like(x) for x in scales))
+    dq8, dk8, dv8 = (typed_like(g, x) for g, x in ((dq8, q8), (dk8, k8), (dv8, v8)))
     return dq8, dk8, dv8, None, zeros, BackwardAmax(*bwd_amax)
 
 

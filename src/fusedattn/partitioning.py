@@ -265,3 +265,49 @@ def named_specs(arrays) -> Optional[Tuple[Dict[str, int], list]]:
         else:
             specs.append(None)
     return (mesh, specs) if mesh else None
+
+
+# ---- sharding in types (Explicit mesh axes) ---------------------------------------------
+def explicit_mesh(x):
+    """The abstract mesh of x's sharding type where some of its axes are Explicit (JAX's
+    sharding in types), else None (Auto axes, or inside a shard_map's manual axes)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        return None
+    return mesh if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types) else None
+
+
+def typed_like(x, ref):
+    """x carrying ref's sharding type (x and ref of one rank, e.g. d_out and q). A
+    custom_vjp's gradient must have its primal's type, and a cotangent made from an
+    unsharded constant, or a native call fed one, may not; where both are typed the
+    same (or nothing is Explicit) x is returned."""
+    mesh = None if x is None or x.ndim != ref.ndim else explicit_mesh(ref)
+    if mesh is None:
+        return x
+    want = jax.typeof(ref).sharding.spec
+    if jax.typeof(x).sharding.spec == want:
+        return x
+    with jax.sharding.use_abstract_mesh(mesh):  # a PartitionSpec needs its mesh in context
+        return jax.sharding.reshard(x, want)
+
+
+def in_auto_axes(fn, ref, out_specs, *args):
+    """fn(*args) with the Explicit axes of ref's mesh made Auto inside, results typed by
+    `out_specs`. XLA-level attention reshapes heads and scatters into per-head arrays,
+    which sharding in types refuses when heads are split; as Auto axes the partitioner
+    places those ops instead."""
+    mesh = explicit_mesh(ref)
+    if mesh is None:
+        return fn(*args)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)
+
+
+def typed_specs(config: AttnConfig, q, dims: Sequence[Dims]) -> Tuple[PartitionSpec, ...]:
+    """Specs for results with roles `dims`, following q's sharding type role by role."""
+    spec = spec_axes(jax.typeof(q).sharding.spec, q.ndim)
+    q_roles = _tensor(config, Q_HEADS, Q_TOKENS, packed=config.qkv_packing == "qkv").roles
+    by_role = {role: axes for role, axes in zip(q_roles, spec) if role is not None}
+    return tuple(PartitionSpec(*(_entry(by_role.get(r, ())) if r else None for r in d.roles))
+                 for d in dims)

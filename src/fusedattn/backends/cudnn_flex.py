@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import jax
 import jax.numpy as jnp
 
-from .. import flex_lowering
+from .. import flex_lowering, partitioning
 from ..config import AttnConfig
 from ..score_mods import Alibi, SoftCap
 from .base import AttnInputs
@@ -119,7 +119,9 @@ def with_arg_gradients(native, config: AttnConfig, inputs: AttnInputs):
         grads = vjp(cotangents)[0]
         _, arg_vjp = jax.vjp(lambda a: xla.attention(config, inputs._replace(score_mod_args=a)),
                              inputs.score_mod_args)
-        d_args = arg_vjp(cotangents[0].astype(inputs.q.dtype))[0]
+        # A cotangent made from an unsharded constant is typed unsharded (Explicit axes).
+        d_out = partitioning.typed_like(cotangents[0].astype(inputs.q.dtype), inputs.q)
+        d_args = arg_vjp(d_out)[0]
         return (grads._replace(score_mod_args=tuple(
             g if jnp.issubdtype(a.dtype, jnp.floating) else None
             for g, a in zip(d_args, inputs.score_mod_args))),)

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from .. import partitioning
 from ..config import DTYPES, LAYOUTS, MASKS, QKV_PACKINGS, SEQUENCE_KINDS, SOFTMAX_TYPES, AttnConfig
 from .base import AttnInputs, from_bshd, pack_like_inputs, to_bshd, unpack_qkv
 from .xla_masks import dropout_keep_mask, dropout_seed, pad_token_info, token_info
@@ -86,10 +87,16 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *,
     (tests use it to exercise the multi-tile path on small shapes).
     """
     tiling = tiling or choose_tiling(config)
-    operands = _tile_operands(config, inputs, tiling)
-    out, lse = tiled_attention(config, tiling, *operands)
-    lse = lse[..., :config.s_q].reshape(config.batch, config.h_q, config.s_q)
-    return _out_from_tiles(config, out, config.s_q), lse
+
+    def run(inputs):
+        operands = _tile_operands(config, inputs, tiling)
+        out, lse = tiled_attention(config, tiling, *operands)
+        lse = lse[..., :config.s_q].reshape(config.batch, config.h_q, config.s_q)
+        return _out_from_tiles(config, out, config.s_q), lse
+    # Under Explicit mesh axes the tiles' reshapes run with the axes Auto (partitioning).
+    specs = () if partitioning.explicit_mesh(inputs.q) is None else partitioning.typed_specs(
+        config, inputs.q, (partitioning.output_dims(config), partitioning.LSE_DIMS))
+    return partitioning.in_auto_axes(run, inputs.q, specs, inputs)
 
 
 # ---- the per-device kernel interface of native backends (used by context parallelism,
