@@ -153,7 +153,7 @@ def block_configs(config: AttnConfig, cp: ContextParallel, n: int) -> Tuple[Attn
     local = dataclasses.replace(config, s_q=config.s_q // n, s_kv=config.s_kv // n)
     st = _Static(local, cp.axis, n, cp.strategy, config.causal and cp.load_balance, "xla")
     if cp.strategy == "ring":
-        blocks = [b for b in _ring_cases(st) if b.mask != "skip"]
+        blocks = [b for case in _ring_cases(st) for b in case if b.mask != "skip"]
     else:
         blocks = [_Block(rows, (0, config.s_kv), "none" if prefix is None else "causal_bottom_right")
                   for rows, prefix in _gather_blocks(st, 0)]

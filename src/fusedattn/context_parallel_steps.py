@@ -137,18 +137,28 @@ class _Block:
     mask: str               # "none", "causal", "causal_bottom_right"; "skip": nothing visible
 
 
-def _ring_cases(st: _Static) -> Tuple[_Block, ...]:
-    """Blocks for kv from device src, indexed by `_ring_case`: src == r, src < r, src > r."""
+def _ring_cases(st: _Static) -> Tuple[Tuple[_Block, ...], ...]:
+    """The blocks for kv from device src, per case of `_ring_case`: src == r, src < r,
+    src > r."""
     c = st.config.s_q
     if not st.config.causal:
-        return (_Block((0, c), (0, c), "none"),)
+        return ((_Block((0, c), (0, c), "none"),),)
     if not st.zigzag:
-        return (_Block((0, c), (0, c), "causal"), _Block((0, c), (0, c), "none"),
-                _Block((0, 0), (0, 0), "skip"))
+        return ((_Block((0, c), (0, c), "causal"),), (_Block((0, c), (0, c), "none"),),
+                (_Block((0, 0), (0, 0), "skip"),))
     h = c // 2
-    # src < r: both my halves see src's first half only; src > r: my second half sees both.
-    return (_Block((0, c), (0, c), "causal"), _Block((0, c), (0, h), "none"),
-            _Block((h, c), (0, c), "none"))
+    if st.config.score_mod is None:
+        # src < r: both my halves see src's first half only; src > r: my second half
+        # sees both.
+        return ((_Block((0, c), (0, c), "causal"),), (_Block((0, c), (0, h), "none"),),
+                (_Block((h, c), (0, c), "none"),))
+    # A score_mod reads the call's positions, and the halves sit apart in the call: each
+    # block stays within one half of q and of kv, so one offset places its rows
+    # (cuDNN's engines refuse the select a split point would need).
+    lo, hi = (0, h), (h, c)
+    return ((_Block(lo, lo, "causal"), _Block(hi, lo, "none"), _Block(hi, hi, "causal")),
+            (_Block(lo, lo, "none"), _Block(hi, lo, "none")),
+            (_Block(hi, lo, "none"), _Block(hi, hi, "none")))
 
 
 def _ring_case(st: _Static, r, src):
@@ -165,9 +175,7 @@ def _block_call(st: _Static, block: _Block, q_len, kv_len, score_args=()):
         mask=block.mask, sequence="padding" if (st.config.is_padded or
                                                 block.mask == "causal_bottom_right") else "dense")
     if cfg.score_mod is not None:
-        positions = BlockPositions(_spans_halves(st, block.q_rows),
-                                   st.strategy == "ring" and _spans_halves(st, block.kv_rows))
-        cfg = reindexed_config(cfg, positions, BlockPositions.N_EXTRA)
+        cfg = reindexed_config(cfg, BlockPositions(), BlockPositions.N_EXTRA)
 
     def inputs(q, k, v):
         seq = SequenceDescriptor.from_lengths(q_len, kv_len) if cfg.is_padded else None
@@ -179,52 +187,33 @@ def _block_call(st: _Static, block: _Block, q_len, kv_len, score_args=()):
 @dataclasses.dataclass(frozen=True)
 class BlockPositions:
     """Indices of a block (`score_mods.Reindexed`): the device's first batch row and
-    head, and for queries and keys a split point with the offsets before and after
-    it, where a block's rows span both zig-zag halves (which sit apart in the call);
-    elsewhere one offset."""
-    N_EXTRA = 8
-    q_split: bool = False
-    kv_split: bool = False
+    head, and the call's positions of the block's first query and key (a block's rows
+    lie within one zig-zag half, `_ring_cases`)."""
+    N_EXTRA = 4
 
-    def __call__(self, batch, head, q_idx, kv_idx, batch_start, head_start, q_split, q_before,
-                 q_after, kv_split, kv_before, kv_after):
-        def place(idx, split, before, after, spans):
-            return idx + (jnp.where(idx < split, before, after) if spans else before)
-        return (batch + batch_start, head + head_start,
-                place(q_idx, q_split, q_before, q_after, self.q_split),
-                place(kv_idx, kv_split, kv_before, kv_after, self.kv_split))
+    def __call__(self, batch, head, q_idx, kv_idx, batch_start, head_start, q_start, kv_start):
+        return batch + batch_start, head + head_start, q_idx + q_start, kv_idx + kv_start
 
     def __str__(self) -> str:
         return "cp-block"
 
 
-def _spans_halves(st: _Static, rows: Tuple[int, int]) -> bool:
-    h = st.config.s_q // 2
-    return st.zigzag and rows[0] < h < rows[1]
-
-
-def _positions(st: _Static, rows: Tuple[int, int], device):
-    """(split, offset before, offset after): row j of a block starting at local row
-    rows[0] of `device` sits at position j + offset of the call."""
-    a, b = rows
-    h = st.config.s_q // 2
-    if not st.zigzag or b <= h:  # all rows in the first (or only) local segment
-        start = st.segment_start(device, 0) + a
-        return 0, start, start
-    second = st.segment_start(device, 1) + a - h
-    if a >= h:
-        return 0, second, second
-    return h - a, st.segment_start(device, 0) + a, second
+def _position(st: _Static, rows: Tuple[int, int], device):
+    """The call's position of local row rows[0] of `device` (rows within one segment)."""
+    for i, (a, b) in enumerate(st.segments):
+        if a <= rows[0] and rows[1] <= b:
+            return st.segment_start(device, i) + rows[0] - a
+    raise AssertionError(f"block rows {rows} span local segments {st.segments}")
 
 
 def _score_args(st: _Static, block: _Block, r, src, extra):
-    """A block's score_mod arguments: the user's, then `BlockPositions`' eight (keys
-    of device `src`, or in natural order when `src` is None: all gathered)."""
+    """A block's score_mod arguments: the user's, then `BlockPositions`' four (keys of
+    device `src`, or in natural order when `src` is None: all gathered)."""
     if st.config.score_mod is None:
         return ()
     user, batch_start, head_start = extra
-    kv = (0, 0, 0) if src is None else _positions(st, block.kv_rows, src)
-    ints = (batch_start, head_start) + _positions(st, block.q_rows, r) + kv
+    kv = 0 if src is None else _position(st, block.kv_rows, src)
+    ints = (batch_start, head_start, _position(st, block.q_rows, r), kv)
     return tuple(user) + tuple(jnp.asarray(x, jnp.int32) for x in ints)
 
 
@@ -275,7 +264,7 @@ def _block_backward(st: _Static, block: _Block, q, k, v, out, lse, d_out, q_len,
 
 
 def _switch(st: _Static, index, fn, *arrays):
-    """fn(block, st, *arrays) for the ring case `index` selects."""
+    """fn(blocks, st, *arrays) for the ring case `index` selects."""
     cases = _ring_cases(st)
     if len(cases) == 1:
         return fn(cases[0], st, *arrays)
@@ -306,7 +295,7 @@ def _ring_forward(st: _Static, q, k, v, q_len, kv_len, extra):
         # Issue the next block's transfer before this block's kernel: XLA overlaps them.
         nxt = _shift((k, v), st) if t < st.n - 1 else None
         src = (r - t) % st.n
-        part = _switch(st, _ring_case(st, r, src), _ring_block_fwd, q, k, v, q_len, kv_len, r, src,
+        part = _switch(st, _ring_case(st, r, src), _ring_case_fwd, q, k, v, q_len, kv_len, r, src,
                        extra)
         acc = part if acc is None else _merge(acc, part)
         if nxt is not None:
@@ -314,17 +303,33 @@ def _ring_forward(st: _Static, q, k, v, q_len, kv_len, extra):
     return acc
 
 
-def _ring_block_fwd(block, st, q, k, v, q_len, kv_len, r, src, extra):
-    ql = _prefix_len(st, q_len, r, block.q_rows)
-    kl = _prefix_len(st, kv_len, src, block.kv_rows)
-    return _block_forward(st, block, q, k, v, ql, kl, _score_args(st, block, r, src, extra))
+def _ring_case_fwd(blocks, st, q, k, v, q_len, kv_len, r, src, extra):
+    """(out in q's dtype, lse) of one case's blocks, merged."""
+    parts = []
+    for block in blocks:
+        ql = _prefix_len(st, q_len, r, block.q_rows)
+        kl = _prefix_len(st, kv_len, src, block.kv_rows)
+        parts.append(_block_forward(st, block, q, k, v, ql, kl,
+                                    _score_args(st, block, r, src, extra)))
+    if len(parts) == 1:
+        return parts[0]
+    out, lse = functools.reduce(_merge, parts)
+    return out.astype(q.dtype), lse
 
 
-def _ring_block_bwd(block, st, q, k, v, out, lse, d_out, q_len, kv_len, r, src, extra):
-    ql = _prefix_len(st, q_len, r, block.q_rows)
-    kl = _prefix_len(st, kv_len, src, block.kv_rows)
-    return _block_backward(st, block, q, k, v, out, lse, d_out, ql, kl,
-                           _score_args(st, block, r, src, extra))
+def _ring_case_bwd(blocks, st, q, k, v, out, lse, d_out, q_len, kv_len, r, src, extra):
+    """(dq, dk, dv) of one case's blocks, summed."""
+    grads = []
+    for block in blocks:
+        ql = _prefix_len(st, q_len, r, block.q_rows)
+        kl = _prefix_len(st, kv_len, src, block.kv_rows)
+        grads.append(_block_backward(st, block, q, k, v, out, lse, d_out, ql, kl,
+                                     _score_args(st, block, r, src, extra)))
+    if len(grads) == 1:
+        return grads[0]
+    return tuple(functools.reduce(lambda a, b: a + b.astype(F32), parts[1:],
+                                  parts[0].astype(F32)).astype(parts[0].dtype)
+                 for parts in zip(*grads))
 
 
 def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len, extra):
@@ -334,7 +339,7 @@ def _ring_backward(st: _Static, q, k, v, out, lse, d_out, q_len, kv_len, extra):
     for t in range(st.n):
         nxt = _shift((k, v), st) if t < st.n - 1 else None
         src = (r - t) % st.n
-        g = _switch(st, _ring_case(st, r, src), _ring_block_bwd, q, k, v, out, lse, d_out,
+        g = _switch(st, _ring_case(st, r, src), _ring_case_bwd, q, k, v, out, lse, d_out,
                     q_len, kv_len, r, src, extra)
         dq = dq + g[0].astype(F32)
         # The kv gradients travel with their block, in k's dtype (half the bytes of
