@@ -36,13 +36,18 @@ std::string finish(CachedGraph& entry, std::shared_ptr<fe::graph::Graph> g) {
   return {};
 }
 
-// A fresh graph holding a serialized plan, with or without the frontend's warmup.
+// A fresh graph holding a serialized plan.
 std::string deserialize(std::shared_ptr<fe::graph::Graph>& g, cudnnHandle_t handle,
-                        const std::vector<uint8_t>& plan, bool warmup) {
+                        const std::vector<uint8_t>& plan) {
   g = std::make_shared<fe::graph::Graph>();
   try {
-    return check(g->deserialize(handle, plan, /*enforce_precompiled=*/false, warmup),
-                 warmup ? "deserialize" : "deserialize (no warmup)");
+    // No frontend warmup: it captures the plan into a throwaway CUDA graph, and a
+    // capture begun here while XLA captures a command buffer on another thread
+    // invalidates XLA's (seen on H200: cudaErrorStreamCaptureInvalidated in the next
+    // jitted call); it also failed outright for some plans (d64 causal, cuDNN 9.19).
+    // A freshly built graph gets no warmup either.
+    return check(g->deserialize(handle, plan, /*enforce_precompiled=*/false, /*warmup=*/false),
+                 "deserialize");
   } catch (const std::exception& e) {  // the JSON parser throws on malformed data
     return std::string("deserialize: ") + e.what();
   }
@@ -52,17 +57,7 @@ std::string deserialize(std::shared_ptr<fe::graph::Graph>& g, cudnnHandle_t hand
 // failure (a stale or corrupt plan) is a note, and the caller builds from scratch.
 bool load_plan(CachedGraph& entry, cudnnHandle_t handle, const std::vector<uint8_t>& plan) {
   std::shared_ptr<fe::graph::Graph> g;
-  // The frontend's warmup (a throwaway CUDA-graph capture of the plan) fails for some
-  // plans on cuDNN 9.19 (seen: the d64 causal graphs); such a plan is loaded again
-  // without it: a freshly built graph gets no warmup either.
-  std::string msg = deserialize(g, handle, plan, /*warmup=*/true);
-  if (!msg.empty()) {
-    (void)cudaGetLastError();         // the failed capture's (non-sticky) error
-    cudnnSetStream(handle, nullptr);  // the warmup may leave its capture stream set
-    std::string retry = deserialize(g, handle, plan, /*warmup=*/false);
-    if (retry.empty()) entry.plan_note = "warmup after loading failed (" + msg + "); loaded without it";
-    msg = retry;
-  }
+  std::string msg = deserialize(g, handle, plan);
   if (msg.empty()) (void)g->get_plan_name(entry.plan_name);
   if (msg.empty()) msg = finish(entry, std::move(g));
   if (!msg.empty()) {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -135,7 +136,9 @@ def _child(cache_dir, out_path):
     env.pop("FUSEDATTN_PLAN_CACHE", None)
     done = subprocess.run([sys.executable, "-c", CHILD, str(out_path)], env=env,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # XLA repeats its own errors after a failed one: show each distinct line once.
+    lines = (re.sub(r"^[EWI]\d{4} [\d:.]+ +\d+ ", "", x) for x in done.stderr.splitlines())
+    assert done.returncode == 0, "\n".join(dict.fromkeys(lines))[-4000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT"))
     return json.loads(line[len("RESULT"):]), dict(np.load(out_path))
 
