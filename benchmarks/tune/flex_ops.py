@@ -34,6 +34,19 @@ PROBES = {  # name -> (forward program, bprop program)
     "bprop-reads-fwd-id": ("id:s|mul:v0,c2.0", "mul:g,c2.0|mul:v0,w0"),
     "sigmoid": ("sigmoid:s|mul:s,v0", "id:g"),
     "log-abs": ("sub:q,k|abs:v0|add:v1,c1.0|log:v2|sub:s,v3", "id:g"),
+    # Index offsets from scalar inputs (causal chunks, context-parallel blocks).
+    "offset-q": ("add:q,a0|sub:v0,k|mul:v1,c0.01|add:s,v2", "id:g", "1.1.1.1"),
+    "offset-q-input-first": ("add:a0,q|sub:v0,k|mul:v1,c0.01|add:s,v2", "id:g", "1.1.1.1"),
+    "causal-bottom-right-const": ("add:q,c128.0|le:k,v0|sel:v1,s,c-inf", "id:g"),
+    "offset-causal": ("add:q,a0|add:k,a1|le:v1,v0|sel:v2,s,c-inf", "id:g", "1.1.1.1", "1.1.1.1"),
+    "split-sel-of-inputs": ("lt:q,a0|sel:v0,a1,a2|add:q,v1|sub:v2,k|mul:v3,c0.01|add:s,v4",
+                            "id:g", "1.1.1.1", "1.1.1.1", "1.1.1.1"),
+    "split-arith": ("ge:q,a0|sel:v0,c1.0,c0.0|mul:v1,a1|add:q,a2|add:v3,v2|sub:v4,k|"
+                    "mul:v5,c0.01|add:s,v6", "id:g", "1.1.1.1", "1.1.1.1", "1.1.1.1"),
+    # Per-head masks (a [1, h, 1, 1] input joined with the indices).
+    "head-input-or": ("le:k,q|or:a0,v0|sel:v1,s,c-inf", "id:g", "1.4.1.1"),
+    "head-input-or-swapped": ("le:k,q|or:v0,a0|sel:v1,s,c-inf", "id:g", "1.4.1.1"),
+    "head-window": ("sub:q,k|lt:v0,a0|sel:v1,s,c-inf", "id:g", "1.4.1.1"),
 }
 
 
@@ -41,7 +54,7 @@ def main():
     module = native.module("cuda")
     for name, (fwd, bwd, *inputs) in PROBES.items():
         key = cudnn.graph_key(BASE).replace("flex=;flexb=;flexin=",
-                                            f"flex={fwd};flexb={bwd};flexin={''.join(inputs)}")
+                                            f"flex={fwd};flexb={bwd};flexin={','.join(inputs)}")
         r = module.cudnn_check_support(key)
         msg = "ok" if r["ok"] else r["message"].splitlines()[0][:160]
         print(f"{name:24s} {msg}", flush=True)
