@@ -207,7 +207,7 @@ def _current_fwd(config, backend, q, k, v, sequence):
 
 def _current_bwd(config, backend, residuals, d_out):
     q8, k8, v8, o8, lse, sequence, fwd, stats = residuals
-    # The native backward's operands typed alike, so its results carry q's type.
+    # d_out typed as q (a cotangent made from an unsharded constant is not).
     d_out = typed_like(d_out, q8)
     scales = backward_scales(config, fwd, stats, d_out)
     do8 = quantize(d_out, scales.do, config.fp8_do)
