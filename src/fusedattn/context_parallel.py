@@ -199,7 +199,7 @@ def attention(config: AttnConfig, inputs, cp: ContextParallel, backend: str) -> 
         if batch:
             q_len, kv_len = (jax.lax.dynamic_slice_in_dim(x, batch_start, local.batch)
                              for x in (q_len, kv_len))
-        # A score_mod sees the call's batch, head and position numbers (BlockPositions).
+        # A score_mod sees the call's batch, head and position numbers (score_mods.Starts).
         head_start = shard_index(heads, shape) * local.h_q if heads else 0
         extra = () if config.score_mod is None else (args, batch_start, head_start)
         st = _Static(local, cp.axis, n, cp.strategy, zigzag, backend, move)

@@ -20,7 +20,7 @@ import numpy as np
 
 from .backends.base import AttnInputs
 from .config import AttnConfig
-from .score_mods import reindexed_config
+from .score_mods import Starts, reindexed_config
 from .sequence import SequenceDescriptor
 
 F32 = jnp.float32
@@ -175,7 +175,7 @@ def _block_call(st: _Static, block: _Block, q_len, kv_len, score_args=()):
         mask=block.mask, sequence="padding" if (st.config.is_padded or
                                                 block.mask == "causal_bottom_right") else "dense")
     if cfg.score_mod is not None:
-        cfg = reindexed_config(cfg, BlockPositions(), BlockPositions.N_EXTRA)
+        cfg = reindexed_config(cfg, Starts(positions=True))
 
     def inputs(q, k, v):
         seq = SequenceDescriptor.from_lengths(q_len, kv_len) if cfg.is_padded else None
@@ -184,20 +184,6 @@ def _block_call(st: _Static, block: _Block, q_len, kv_len, score_args=()):
 
 
 # ---- score_mods: the call's positions inside a block -----------------------------------
-@dataclasses.dataclass(frozen=True)
-class BlockPositions:
-    """Indices of a block (`score_mods.Reindexed`): the device's first batch row and
-    head, and the call's positions of the block's first query and key (a block's rows
-    lie within one zig-zag half, `_ring_cases`)."""
-    N_EXTRA = 4
-
-    def __call__(self, batch, head, q_idx, kv_idx, batch_start, head_start, q_start, kv_start):
-        return batch + batch_start, head + head_start, q_idx + q_start, kv_idx + kv_start
-
-    def __str__(self) -> str:
-        return "cp-block"
-
-
 def _position(st: _Static, rows: Tuple[int, int], device):
     """The call's position of local row rows[0] of `device` (rows within one segment)."""
     for i, (a, b) in enumerate(st.segments):
@@ -207,8 +193,11 @@ def _position(st: _Static, rows: Tuple[int, int], device):
 
 
 def _score_args(st: _Static, block: _Block, r, src, extra):
-    """A block's score_mod arguments: the user's, then `BlockPositions`' four (keys of
-    device `src`, or in natural order when `src` is None: all gathered)."""
+    """A block's score_mod arguments: the user's, then the four of
+    `score_mods.Starts(positions=True)`: the device's first batch row and head, the
+    call's positions of the block's first query and key (keys of device `src`, or in
+    natural order when `src` is None: all gathered). A block's rows lie within one
+    zig-zag half (`_ring_cases`), so one offset places them."""
     if st.config.score_mod is None:
         return ()
     user, batch_start, head_start = extra
@@ -303,14 +292,17 @@ def _ring_forward(st: _Static, q, k, v, q_len, kv_len, extra):
     return acc
 
 
+def _ring_block_args(st, block, q_len, kv_len, r, src, extra):
+    """A ring block's padding lengths (my rows, src's keys) and score_mod arguments."""
+    return (_prefix_len(st, q_len, r, block.q_rows), _prefix_len(st, kv_len, src, block.kv_rows),
+            _score_args(st, block, r, src, extra))
+
+
 def _ring_case_fwd(blocks, st, q, k, v, q_len, kv_len, r, src, extra):
     """(out in q's dtype, lse) of one case's blocks, merged."""
-    parts = []
-    for block in blocks:
-        ql = _prefix_len(st, q_len, r, block.q_rows)
-        kl = _prefix_len(st, kv_len, src, block.kv_rows)
-        parts.append(_block_forward(st, block, q, k, v, ql, kl,
-                                    _score_args(st, block, r, src, extra)))
+    parts = [_block_forward(st, block, q, k, v,
+                            *_ring_block_args(st, block, q_len, kv_len, r, src, extra))
+             for block in blocks]
     if len(parts) == 1:
         return parts[0]
     out, lse = functools.reduce(_merge, parts)
@@ -319,12 +311,9 @@ def _ring_case_fwd(blocks, st, q, k, v, q_len, kv_len, r, src, extra):
 
 def _ring_case_bwd(blocks, st, q, k, v, out, lse, d_out, q_len, kv_len, r, src, extra):
     """(dq, dk, dv) of one case's blocks, summed."""
-    grads = []
-    for block in blocks:
-        ql = _prefix_len(st, q_len, r, block.q_rows)
-        kl = _prefix_len(st, kv_len, src, block.kv_rows)
-        grads.append(_block_backward(st, block, q, k, v, out, lse, d_out, ql, kl,
-                                     _score_args(st, block, r, src, extra)))
+    grads = [_block_backward(st, block, q, k, v, out, lse, d_out,
+                             *_ring_block_args(st, block, q_len, kv_len, r, src, extra))
+             for block in blocks]
     if len(grads) == 1:
         return grads[0]
     return tuple(functools.reduce(lambda a, b: a + b.astype(F32), parts[1:],

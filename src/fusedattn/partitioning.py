@@ -294,14 +294,14 @@ def typed_like(x, ref):
 
 def in_auto_axes(fn, ref, out_specs, *args):
     """fn(*args) with the Explicit axes of ref's mesh made Auto inside, results typed by
-    `out_specs`. XLA-level attention reshapes heads and scatters into per-head arrays,
-    which sharding in types refuses when heads are split; as Auto axes the partitioner
-    places those ops instead."""
+    `out_specs()` (asked only then). XLA-level attention reshapes heads and scatters
+    into per-head arrays, which sharding in types refuses when heads are split; as
+    Auto axes the partitioner places those ops instead."""
     mesh = explicit_mesh(ref)
     if mesh is None:
         return fn(*args)
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(fn, out_sharding=out_specs)(*args)
+        return jax.sharding.auto_axes(fn, out_sharding=out_specs())(*args)
 
 
 def typed_specs(config: AttnConfig, q, dims: Sequence[Dims]) -> Tuple[PartitionSpec, ...]:

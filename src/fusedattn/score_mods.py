@@ -128,15 +128,14 @@ class Masked:
 @dataclasses.dataclass(frozen=True)
 class Reindexed:
     """A score_mod (or, with ``mask``, a mask_mod) that sees other batch, head and
-    position numbers than its caller passes: a piece of a call (a shard, a chunk, a
+    position numbers than its caller passes: a piece of a call (a shard, a
     context-parallel block) computes with its own 0.. numbering, and the function
     must see the call's. ``indices(batch, head, q_idx, kv_idx, *extra)`` gives the
-    call's numbers, `extra` being the last `n_extra` score_mod_args (traced values
-    such as a shard's first head). Built by fusedattn's own splitting, never by users;
-    `reindexed` wraps a `Masked` part by part."""
+    call's numbers, `extra` being the last ``indices.n_extra`` score_mod_args (traced
+    values such as a shard's first head). Built by fusedattn's own splitting, never by
+    users; `reindexed` wraps a `Masked` part by part."""
     fn: object
-    indices: object  # a hashable callable (a frozen dataclass below)
-    n_extra: int = 0
+    indices: "Starts"
     mask: bool = False
 
     @property
@@ -144,37 +143,46 @@ class Reindexed:
         return f"{getattr(self.fn, '__name__', 'score_mod')}@{self.indices}"
 
     def __call__(self, *a):
-        extra = a[len(a) - self.n_extra:]
-        a = a[:len(a) - self.n_extra]
+        n = self.indices.n_extra
+        extra, a = a[len(a) - n:], a[:len(a) - n]
         if self.mask:  # (batch, head, q_idx, kv_idx, *args)
             return self.fn(*self.indices(*a[:4], *extra), *a[4:])
         return self.fn(a[0], *self.indices(*a[1:5], *extra), *a[5:])
 
 
-def reindexed(score_mod, indices, n_extra: int = 0):
+def reindexed(score_mod, indices: "Starts"):
     """`score_mod` seeing `indices`' numbers (see `Reindexed`); a `Masked` stays one, so
     a lowering still tells its mask from its score_mod."""
     if isinstance(score_mod, Masked):
-        inner = (None if score_mod.score_mod is None
-                 else Reindexed(score_mod.score_mod, indices, n_extra))
-        return Masked(inner, Reindexed(score_mod.mask_mod, indices, n_extra, mask=True))
-    return Reindexed(score_mod, indices, n_extra)
+        inner = None if score_mod.score_mod is None else Reindexed(score_mod.score_mod, indices)
+        return Masked(inner, Reindexed(score_mod.mask_mod, indices, mask=True))
+    return Reindexed(score_mod, indices)
 
 
 @dataclasses.dataclass(frozen=True)
-class ShardStarts:
-    """Indices of one shard of a batch / head split: its first batch row and query
-    head come as two extra arguments."""
-    def __call__(self, batch, head, q_idx, kv_idx, batch_start, head_start):
+class Starts:
+    """Indices of a piece of a call: its first batch row and query head come as two
+    extra arguments; with `positions` (a context-parallel block) also the call's
+    positions of its first query and key, as two more."""
+    positions: bool = False
+
+    @property
+    def n_extra(self) -> int:
+        return 4 if self.positions else 2
+
+    def __call__(self, batch, head, q_idx, kv_idx, batch_start, head_start, *position_starts):
+        if self.positions:
+            q_start, kv_start = position_starts
+            q_idx, kv_idx = q_idx + q_start, kv_idx + kv_start
         return batch + batch_start, head + head_start, q_idx, kv_idx
 
     def __str__(self) -> str:
-        return "shard"
+        return "cp-block" if self.positions else "shard"
 
 
-def reindexed_config(config, indices, n_extra: int = 0):
-    """`config` (an AttnConfig) whose score_mod sees `indices`' numbers, its `n_extra`
+def reindexed_config(config, indices: Starts):
+    """`config` (an AttnConfig) whose score_mod sees `indices`' numbers, its extra
     arguments added to the score_mod_args as int32 scalars."""
-    return dataclasses.replace(config, score_mod=reindexed(config.score_mod, indices, n_extra),
+    return dataclasses.replace(config, score_mod=reindexed(config.score_mod, indices),
                                score_mod_arg_specs=tuple(config.score_mod_arg_specs)
-                               + (((), "int32"),) * n_extra)
+                               + (((), "int32"),) * indices.n_extra)

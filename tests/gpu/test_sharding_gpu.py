@@ -230,7 +230,7 @@ def test_cudnn_context_parallel_matches_one_gpu(n_gpus, strategy, mask, padded):
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 @pytest.mark.parametrize("mod", ["alibi", "relative_position"])
 def test_cudnn_context_parallel_score_mods_see_the_calls_positions(n_gpus, strategy, mod):
-    """Each block's lowered program reads the call's positions (BlockPositions); where
+    """Each block's lowered program reads the call's positions (score_mods.Starts); where
     cuDNN's engines refuse that arithmetic, the plan says so and the test skips."""
     b, s, h, d = 2, 4096, 8, 64
     q, k, v, d_out = _qkv(b, s, h, h, d)

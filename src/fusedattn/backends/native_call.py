@@ -178,7 +178,7 @@ def _on_shard(local: AttnConfig) -> AttnConfig:
     a shard computes rows b0.. and heads h0.. of the call, and a per-head slope or a
     per-batch argument must be read by those numbers, not by the shard's own 0..;
     b0 and h0 go in as two more (traced) score_mod_args."""
-    return score_mods.reindexed_config(local, score_mods.ShardStarts(), 2)
+    return score_mods.reindexed_config(local, score_mods.Starts())
 
 
 def _fold_shard_into_rng(op: _Op, flat, split: P.Split, shape):

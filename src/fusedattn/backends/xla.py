@@ -94,7 +94,7 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *,
         lse = lse[..., :config.s_q].reshape(config.batch, config.h_q, config.s_q)
         return _out_from_tiles(config, out, config.s_q), lse
     # Under Explicit mesh axes the tiles' reshapes run with the axes Auto (partitioning).
-    specs = () if partitioning.explicit_mesh(inputs.q) is None else partitioning.typed_specs(
+    specs = lambda: partitioning.typed_specs(  # noqa: E731
         config, inputs.q, (partitioning.output_dims(config), partitioning.LSE_DIMS))
     return partitioning.in_auto_axes(run, inputs.q, specs, inputs)
 
