@@ -200,16 +200,6 @@ def test_a_backend_that_must_not_train_is_chosen_only_for_inference():
     assert stored.source == "persistent cache" and stored.training == "cudnn"
 
 
-def test_flash_trains_only_with_its_causal_mask():
-    import dataclasses
-    assert flash.training_reason(dataclasses.replace(BASE, mask="causal")) is None
-    assert flash.training_reason(dataclasses.replace(BASE, s_kv=256,
-                                                     mask="causal_bottom_right")) is None
-    for change in (dict(), dict(window=(16, 16)), dict(mask="causal", window=(32, 0))):
-        why = flash.training_reason(dataclasses.replace(BASE, **change))
-        assert why is not None and "wrong gradients" in why
-
-
 def test_measuring_inside_a_jit_trace_runs_the_calls():
     """Dispatch measures while the user's function is being traced: the timed calls
     must execute (on their own thread), not be staged into that trace."""

@@ -127,7 +127,7 @@ def test_flex_calls_lower_for_cuda_without_a_gpu(monkeypatch):
     dispatch.clear_cache()
     assert plan.chosen == "cudnn", str(plan)
     assert "fusedattn_cudnn_fwd" in text and "fusedattn_cudnn_bwd" in text
-    assert "flex=sub:k,q" in text
+    assert "flex=sub.i:k,q" in text
 
 
 @pytest.mark.parametrize("name", ["prefix_lm", "window_plus_sink", "softcap_prefix_lm"])

@@ -47,6 +47,25 @@ PROBES = {  # name -> (forward program, bprop program)
     "head-input-or": ("le:k,q|or:a0,v0|sel:v1,s,c-inf", "id:g", "1.4.1.1"),
     "head-input-or-swapped": ("le:k,q|or:v0,a0|sel:v1,s,c-inf", "id:g", "1.4.1.1"),
     "head-window": ("sub:q,k|lt:v0,a0|sel:v1,s,c-inf", "id:g", "1.4.1.1"),
+    # The forms of cuDNN's own masks (the frontend's diagonal band mask): row >= col,
+    # and offsets added in int32 (".i") to the int32 indices.
+    "causal-ge": ("ge:q,k|sel:v0,s,c-inf", "id:g"),
+    "relpos-causal-ge": ("sub:q,k|mul:v0,c0.01|add:s,v1|ge:q,k|sel:v3,v2,c-inf", "id:g"),
+    "causal-bottom-right-int": ("add.i:q,c128|ge:v0,k|sel:v1,s,c-inf", "id:g"),
+    "window-left-int": ("add.i:k,c49|gt:v0,q|sel:v1,s,c-inf", "id:g"),
+    "causal-window-int": ("ge:q,k|sel:v0,s,c-inf|add.i:k,c49|gt:v2,q|sel:v3,v1,c-inf", "id:g"),
+    "relpos-causal-br-int": ("sub:q,k|mul:v0,c0.01|add:s,v1|add.i:q,c128|ge:v3,k|"
+                             "sel:v4,v2,c-inf", "id:g"),
+    "offset-causal-int": ("add.i:q,a0|add.i:k,a1|ge:v0,v1|sel:v2,s,c-inf", "id:g", "1.1.1.1",
+                          "1.1.1.1"),
+    "offset-q-int": ("add.i:q,a0|ge:v0,k|sel:v1,s,c-inf", "id:g", "1.1.1.1"),
+    "doc-mask-int-div": ("div.i:q,c64|div.i:k,c64|eq:v0,v1|sel:v2,s,c-inf", "id:g"),
+    "relpos-int-sub": ("sub.i:q,k|mul:v0,c0.01|add:s,v1", "id:g"),
+    "offset-causal-int-inputs": ("add.i:q,a0|add.i:k,a1|ge:v0,v1|sel:v2,s,c-inf", "id:g",
+                                 "1.1.1.1i", "1.1.1.1i"),
+    "window-both-lowered": ("add.i:q,c32|ge:v0,k|add.i:k,c65|gt:v2,q|sel:v1,s,c-inf|"
+                            "sel:v3,v4,c-inf", "id:g"),
+    "per-batch-int-length": ("lt:k,a0|sel:v0,s,c-inf", "id:g", "2.1.1.1i"),
 }
 
 

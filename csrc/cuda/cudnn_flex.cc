@@ -105,9 +105,15 @@ FlexProgram parse_flex_program(std::string_view text) {
       throw std::invalid_argument("flex program: instruction '" + std::string(item) + "' lacks ':'");
     FlexOp op;
     op.name = std::string(item.substr(0, colon));
+    if (op.name.size() > 2 && op.name.compare(op.name.size() - 2, 2, ".i") == 0) {
+      op.name.resize(op.name.size() - 2);
+      op.integer = true;
+    }
     auto info = op_table().find(op.name);
     if (info == op_table().end())
       throw std::invalid_argument("flex program: unknown operation '" + op.name + "'");
+    if (op.integer && (info->second.boolean || info->second.arity == 3))
+      throw std::invalid_argument("flex program: '" + op.name + ".i': only arithmetic computes in int32");
     for (std::string_view arg : split(item.substr(colon + 1), ','))
       op.args.push_back(parse_operand(arg, program.size()));
     if (static_cast<int>(op.args.size()) != info->second.arity)
@@ -118,17 +124,27 @@ FlexProgram parse_flex_program(std::string_view text) {
   return program;
 }
 
-std::vector<std::vector<int64_t>> parse_flex_inputs(std::string_view text) {
-  std::vector<std::vector<int64_t>> shapes;
-  if (text.empty()) return shapes;
+std::vector<FlexInput> parse_flex_inputs(std::string_view text) {
+  std::vector<FlexInput> inputs;
+  if (text.empty()) return inputs;
   for (std::string_view item : split(text, ',')) {
-    std::vector<int64_t> dims;
-    for (std::string_view d : split(item, '.')) dims.push_back(std::strtoll(std::string(d).c_str(), nullptr, 10));
+    FlexInput in;
+    if (!item.empty() && item.back() == 'i') {
+      in.integer = true;
+      item.remove_suffix(1);
+    }
+    for (std::string_view d : split(item, '.')) {
+      char* end = nullptr;
+      std::string s(d);
+      in.dims.push_back(std::strtoll(s.c_str(), &end, 10));
+      if (s.empty() || *end != '\0') in.dims.back() = 0;
+    }
+    const auto& dims = in.dims;
     if (dims.size() != 4 || dims[0] <= 0 || dims[1] <= 0 || dims[2] <= 0 || dims[3] <= 0)
       throw std::invalid_argument("flex inputs: bad shape '" + std::string(item) + "'");
-    shapes.push_back(std::move(dims));
+    inputs.push_back(std::move(in));
   }
-  return shapes;
+  return inputs;
 }
 
 struct FlexMod::State {
@@ -154,7 +170,7 @@ TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Grap
     }
     return slot;
   };
-  auto operand = [&](const FlexOperand& o) -> TensorPtr {
+  auto operand = [&](const FlexOperand& o, bool integer) -> TensorPtr {
     switch (o.kind) {
       case FlexOperand::Kind::kScore: return score;
       case FlexOperand::Kind::kQIdx: return index(q_idx, 2);
@@ -172,23 +188,27 @@ TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Grap
           throw std::invalid_argument("flex program: forward value w" + std::to_string(o.index) +
                                       " missing (only a bprop reads the forward's values)");
         return forward[o.index];
-      default: return std::make_shared<fe::graph::Tensor_attributes>(o.value);
+      default:
+        if (integer) return std::make_shared<fe::graph::Tensor_attributes>(static_cast<int32_t>(o.value));
+        return std::make_shared<fe::graph::Tensor_attributes>(o.value);
     }
   };
   for (const FlexOp& op : program) {
     const OpInfo& info = op_table().find(op.name)->second;
-    auto attrs = fe::graph::Pointwise_attributes().set_mode(info.mode).set_compute_data_type(
-        info.boolean ? fe::DataType_t::BOOLEAN : fe::DataType_t::FLOAT);
+    const fe::DataType_t type = info.boolean ? fe::DataType_t::BOOLEAN
+                                : op.integer ? fe::DataType_t::INT32
+                                             : fe::DataType_t::FLOAT;
+    auto attrs = fe::graph::Pointwise_attributes().set_mode(info.mode).set_compute_data_type(type);
+    auto arg = [&](size_t i) { return operand(op.args[i], op.integer); };
     TensorPtr out;
     if (info.arity == 1) {
-      out = g->pointwise(operand(op.args[0]), attrs);
+      out = g->pointwise(arg(0), attrs);
     } else if (info.arity == 2) {
-      out = g->pointwise(operand(op.args[0]), operand(op.args[1]), attrs);
+      out = g->pointwise(arg(0), arg(1), attrs);
     } else {  // sel: cuDNN's BINARY_SELECT(a, b, cond) is cond ? a : b
-      attrs.set_compute_data_type(fe::DataType_t::FLOAT);
-      out = g->pointwise(operand(op.args[1]), operand(op.args[2]), operand(op.args[0]), attrs);
+      out = g->pointwise(arg(1), arg(2), arg(0), attrs);
     }
-    out->set_data_type(info.boolean ? fe::DataType_t::BOOLEAN : fe::DataType_t::FLOAT);
+    out->set_data_type(type);
     values.push_back(out);
   }
   return values.empty() ? score : values.back();
@@ -199,13 +219,14 @@ TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Grap
 FlexMod::FlexMod(fe::graph::Graph& g, const AttnParams& p) : state_(std::make_shared<State>()) {
   state_->forward = parse_flex_program(p.flex);
   state_->backward = parse_flex_program(p.flex_bprop);
-  const auto shapes = parse_flex_inputs(p.flex_inputs);
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    const auto& d = shapes[i];
+  const auto inputs = parse_flex_inputs(p.flex_inputs);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& d = inputs[i].dims;
     TensorGeometry geom{d, {d[1] * d[2] * d[3], d[2] * d[3], d[3], 1}, 0};
     const std::string name = "flex_input" + std::to_string(i);
     state_->inputs.push_back(add_tensor(g, name.c_str(), static_cast<Uid>(kFlexInput + i), geom,
-                                        fe::DataType_t::FLOAT));
+                                        inputs[i].integer ? fe::DataType_t::INT32
+                                                          : fe::DataType_t::FLOAT));
   }
 }
 

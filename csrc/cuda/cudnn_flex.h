@@ -6,9 +6,13 @@
 // Operands: s (the score: fp32 scaled logits), q / k (query / key index, from
 // cuDNN's index generation along axes 2 / 3), g (the incoming gradient, bprop
 // only), aN (static input N: a float tensor broadcast over [b, h, s_q, s_kv],
-// evaluated by XLA from batch / head indices and score_mod_args), vN (the result
+// evaluated by XLA from batch / head indices and score_mod_args; int32 where the
+// inputs' text marks it), vN (the result
 // of instruction N), wN (the forward program's value N, bprop only), c<float> (a
-// constant). The last instruction is the result. The backward graph runs the
+// constant). An arithmetic op named with the suffix ".i" (add.i) computes in int32,
+// its constants int32 too: the form of cuDNN's own mask offsets (the frontend's
+// diagonal band mask adds to its int32 indices), which its engines recognise.
+// The last instruction is the result. The backward graph runs the
 // forward program first (cuDNN recomputes the scores); the bprop reads its values
 // through wN (cuDNN's engines take a bprop built on the forward's values, as the
 // frontend's own soft-capping does, not one that recomputes from the score).
@@ -35,6 +39,7 @@ struct FlexOperand {
 
 struct FlexOp {
   std::string name;  // add, sub, ..., sel (cond, if_true, if_false), id
+  bool integer = false;  // ".i": int32 compute and result
   std::vector<FlexOperand> args;
 };
 
@@ -42,8 +47,12 @@ using FlexProgram = std::vector<FlexOp>;
 
 // Throws std::invalid_argument naming what is malformed.
 FlexProgram parse_flex_program(std::string_view text);
-// "b.h.q.k" dims of the static inputs, comma separated.
-std::vector<std::vector<int64_t>> parse_flex_inputs(std::string_view text);
+struct FlexInput {
+  std::vector<int64_t> dims;  // [b|1, h|1, s_q|1, s_kv|1]
+  bool integer = false;       // int32, else float32
+};
+// "b.h.q.k" dims of the static inputs, comma separated; a trailing 'i' marks int32.
+std::vector<FlexInput> parse_flex_inputs(std::string_view text);
 
 // The score_mod callbacks of one graph: declares the static inputs on the main
 // graph (uids kFlexInput + i) and emits the programs when the frontend calls back.

@@ -163,7 +163,8 @@ def clear() -> None:
 def measure_on_device(config: AttnConfig, candidates: Tuple[str, ...]):
     """[(name, forward seconds, forward+backward seconds)] for each candidate, on random
     inputs of the config's shapes on the default device, timed round-robin; the
-    forward+backward time is None for a backend whose `training_reason` refuses it.
+    forward+backward time is None for a backend whose module's optional
+    `training_reason(config)` refuses its backward.
 
     Dispatch runs inside the trace of the user's jit, where every JAX call is staged
     into that trace instead of running. JAX's trace state is per thread, so the

@@ -24,6 +24,12 @@ express on dynamic values (a gather, a reduction, integer bit operations) raises
 What compiles is not always what cuDNN's engines take: a graph they refuse is
 refused at the support probe with cuDNN's message, and the call falls back.
 
+Index arithmetic stays in int32 (ops named ``add.i`` and the like; integer static
+inputs are int32 tensors), and the masks are written in the forms of cuDNN's own
+(row >= column + offset; column + left + 1 > row): on H100 with cuDNN 9.19 its
+engines take offsets and two masks in that form and refuse them computed in fp32
+(benchmarks/tune/flex_ops.py, the ``-int`` probes).
+
 The program text is canonical (it is made from the jaxpr, not from the
 function's identity), so it is the cache key's part for the score_mod:
 two equal lambdas share a graph; different ones never collide.
@@ -56,6 +62,9 @@ _NEGATED = {"eq": "ne", "ne": "eq", "gt": "le", "ge": "lt", "lt": "ge", "le": "g
 _ELEMENTWISE = set(_UNARY) | set(_BINARY) | set(_LOGICAL) | {
     "div", "select_n", "convert_element_type", "integer_pow", "square", "exp2", "log1p",
     "expm1", "clamp", "sign", "one_minus_square"}
+# What cuDNN computes in int32 here (its division and remainder keep fp32: their
+# rounding is what the lowering spells out).
+_INT_OPS = ("add", "sub", "mul", "max", "min", "neg", "abs")
 _SHAPE_ONLY = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p")
 
 
@@ -69,6 +78,7 @@ class Lowered:
     forward: str
     bprop: str
     input_shapes: Tuple[Tuple[int, int, int, int], ...]
+    input_ints: Tuple[bool, ...]  # which static inputs are int32 (else float32)
     # Evaluates the static inputs from (score_mod_args, q_lengths, kv_lengths).
     evaluate: Callable = dataclasses.field(compare=False, repr=False, hash=False)
 
@@ -95,10 +105,11 @@ def masked_score_mod(config: AttnConfig, score_mod: Optional[Callable],
         centre = q_idx
         if config.bottom_right:
             centre = q_idx + ((kv_len - q_len) if lengths else config.s_kv - config.s_q)
-        if right >= 0:
-            visible = both(visible, kv_idx <= centre + right)
-        if left >= 0:
-            visible = both(visible, kv_idx >= centre - left)
+        # cuDNN's own mask forms (its diagonal band mask), which its engines recognise.
+        if right >= 0:  # row + right >= column
+            visible = both(visible, (centre + right if right else centre) >= kv_idx)
+        if left >= 0:  # column + left + 1 > row
+            visible = both(visible, kv_idx + (left + 1) > centre)
         return s if visible is None else jnp.where(visible, s, -jnp.inf)
     return f
 
@@ -193,6 +204,7 @@ class _Program:
         self.inputs: List[object] = []  # vars XLA evaluates and the graph takes
         self.first_input = first_input
         self.value: Dict[object, str] = {}     # dynamic var -> operand
+        self.ints = {"q", "k"}                  # operands that are int32 in the graph
         self.is_bool: Dict[object, bool] = {}
         self.const: Dict[object, float] = {v: float(c.reshape(()))
                                            for v, c in consts.items() if c.size == 1}
@@ -202,15 +214,26 @@ class _Program:
 
     def emit(self, op: str, *args: str) -> str:
         # x + 0, x - 0, x * 1: no instruction.
-        if op in ("add", "sub") and args[1] == "c0.0" or op == "mul" and args[1] == "c1.0":
+        base = op.split(".")[0]
+        if base in ("add", "sub") and args[1] == "c0.0" or base == "mul" and args[1] == "c1.0":
             return args[0]
-        if op in ("add", "mul") and args[0] == ("c0.0" if op == "add" else "c1.0"):
+        if base in ("add", "mul") and args[0] == ("c0.0" if base == "add" else "c1.0"):
             return args[1]
         text = f"{op}:{','.join(args)}"
         if text in self.forward:
             return self.forward[text]
         self.lines.append(text)
-        return f"v{len(self.lines) - 1}"
+        name = f"v{len(self.lines) - 1}"
+        if op.endswith(".i"):
+            self.ints.add(name)
+        return name
+
+    def emit_arith(self, op: str, integer: bool, *args: str) -> str:
+        """`op` in int32 (``op.i``) where the jaxpr computes it on integers and every
+        operand is int32 in the graph (indices, integer inputs, constants)."""
+        if integer and op in _INT_OPS and all(a in self.ints or a[0] == "c" for a in args):
+            op += ".i"
+        return self.emit(op, *args)
 
     def operand(self, atom) -> str:
         """The program operand of an atom (dynamic value, constant or static input)."""
@@ -225,6 +248,8 @@ class _Program:
         name = f"a{self.first_input + self.inputs.index(atom)}"
         if atom.aval.dtype == jnp.bool_:  # static inputs travel as float 0 / 1
             return self.emit("ne", name, "c0.0")
+        if _is_int(atom):
+            self.ints.add(name)
         return name
 
     def lower(self, eqns: List[_Eqn], out, names: Dict[object, str]) -> str:
@@ -296,9 +321,9 @@ class _Program:
         if name in _SHAPE_ONLY:
             return a(0)
         if name in _UNARY:
-            return self.emit(_UNARY[name], a(0))
+            return self.emit_arith(_UNARY[name], integer, a(0))
         if name in _BINARY:
-            return self.emit(_BINARY[name], a(0), a(1))
+            return self.emit_arith(_BINARY[name], integer, a(0), a(1))
         if name in _LOGICAL:
             if not all(self._is_bool(v) for v in ins):
                 raise Unsupported(f"score_mod applies bitwise {name!r} to integers; cuDNN's "
@@ -319,10 +344,10 @@ class _Program:
         if name == "integer_pow":
             y = eqn.params["y"]
             x = a(0)
-            return self.emit("mul", x, x) if y == 2 else self.emit("pow", x, _fmt(y))
+            return self.emit_arith("mul", integer, x, x) if y == 2 else self.emit("pow", x, _fmt(y))
         if name == "square":
             x = a(0)
-            return self.emit("mul", x, x)
+            return self.emit_arith("mul", integer, x, x)
         if name == "one_minus_square":  # tanh's derivative in recent JAX
             x = a(0)
             return self.emit("sub", "c1.0", self.emit("mul", x, x))
@@ -433,6 +458,7 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         first += len(p.inputs)
     _read_score_through_forward(programs[0][0], programs[1][0])
     shapes = tuple(_input_shape(p, v) for p, _ in programs for v in p.inputs)
+    ints = tuple(_is_int(v) for p, _ in programs for v in p.inputs)
 
     def evaluate(args: Sequence[jax.Array], lengths: Sequence[jax.Array]):
         b, h = config.batch, config.h_q
@@ -444,7 +470,7 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
             values += [_materialize(p, env, v, s) for v, s in zip(p.inputs, shapes[len(values):])]
         return values
     (pf, _), (pb, _) = programs
-    return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, evaluate)
+    return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, ints, evaluate)
 
 
 def _prune(lines: List[str], result: str) -> List[str]:
@@ -492,6 +518,10 @@ def _source(p: _Program, var):
     return var, dims
 
 
+def _is_int(var) -> bool:
+    return jnp.issubdtype(var.aval.dtype, jnp.integer)
+
+
 def _input_shape(p: _Program, var) -> Tuple[int, int, int, int]:
     """The 4-d [b|1, h|1, s_q|1, s_kv|1] shape a static input keeps."""
     src, dims = _source(p, var)
@@ -527,4 +557,5 @@ def _evaluate_static(p: _Program, closed, batch, head, rest):
 
 def _materialize(p: _Program, env, var, shape):
     src, _ = _source(p, var)
-    return jnp.asarray(env[src]).astype(jnp.float32).reshape(shape)
+    dtype = jnp.int32 if _is_int(var) else jnp.float32
+    return jnp.asarray(env[src]).astype(dtype).reshape(shape)

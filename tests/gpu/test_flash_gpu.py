@@ -40,6 +40,10 @@ def _case(name, **fields):
 
 CASES = [
     _case("dense"),
+    # s 1000 rounds up to 1040 rows for the d128 dense backward's 80-row tiles, past
+    # the 1024 that flash-attn3-jax 0.2.3's own backward allocates.
+    _case("dense-s1000-gqa", b=1, s_q=1000, s_kv=1000, h_q=8, h_kv=2),
+    _case("dense-fp16", dtype="float16"),
     _case("causal", mask="causal"),
     _case("causal-fp16", mask="causal", dtype="float16"),
     _case("d64", d_qk=64, d_v=64),
@@ -69,8 +73,7 @@ def _check(built, out, dq, dk, dv):
 
 @pytest.mark.parametrize("case", CASES)
 def test_against_float64_reference(case):
-    """Forward and LSE everywhere; gradients where flash trains (its causal mask), and
-    a clear error where it must not."""
+    """Forward, LSE and every gradient."""
     built = ac.build(case)
     opts = built.options()
     config, inputs = build_call(built.q, built.k, built.v, **opts)
@@ -82,15 +85,11 @@ def test_against_float64_reference(case):
 
     def run(q, k, v):
         return fusedattn.fused_attn(q, k, v, backend="flash", **opts)
-    if flash.training_reason(config) is not None:
-        with pytest.raises(ValueError, match="wrong gradients"):
-            _grads(built, run)
-        return
     _check(built, *_grads(built, run))
 
 
 def test_a_plan_can_run_cudnn_for_inference_and_flash_for_training():
-    built = ac.build(CASES[1].values[0])
+    built = ac.build(next(c.values[0] for c in CASES if c.id == "causal"))
     config, inputs = build_call(built.q, built.k, built.v, mask="causal")
     plan = dataclasses.replace(
         dispatch.plan(config, "cudnn"),
@@ -117,9 +116,9 @@ def test_auto_measures_cudnn_against_flash_once(tmp_path, monkeypatch):
     assert {name for name, _, _ in plan.choice.timings} == {"cudnn", "flash"}
     assert plan.chosen == plan.choice.training
     assert "measured now" in str(plan)
-    dense = fusedattn.explain(q, q, q)  # flash may not train here: measured forward only
-    assert dense.choice is not None and dense.choice.training == "cudnn", str(dense)
-    assert dict((n, s) for n, _, s in dense.choice.timings)["flash"] is None
+    dense = fusedattn.explain(q, q, q)  # no mask: both measured, forward and backward
+    assert dense.choice is not None, str(dense)
+    assert all(step is not None for _, _, step in dense.choice.timings), str(dense)
     backend_choice.clear()  # as a new process would: the stored choice is read back
     dispatch.clear_cache()
     again = fusedattn.explain(q, q, q, mask="causal")

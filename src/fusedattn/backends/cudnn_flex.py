@@ -74,8 +74,9 @@ def key_fields(config: AttnConfig) -> Dict[str, object]:
     cuDNN masks (the programs hold them)."""
     low = lowered(config)
     return {"mask": 0, "wl": -1, "wr": -1, "seq": 0, "segs": 1, "flex": low.forward,
-            "flexb": low.bprop, "flexin": ",".join(".".join(map(str, s))
-                                                   for s in low.input_shapes)}
+            "flexb": low.bprop,
+            "flexin": ",".join(".".join(map(str, shape)) + ("i" if is_int else "")
+                               for shape, is_int in zip(low.input_shapes, low.input_ints))}
 
 
 def static_inputs(config: AttnConfig, inputs: AttnInputs):

@@ -2,9 +2,10 @@
 package, ``pip install fusedattn[flash]``) for the configs they compute exactly as
 fusedattn's contract says.
 
-Why it exists: on H100 with a causal mask at head dim 128, FA3 is 11-18% faster
-than the plans cuDNN's heuristics pick, forward and backward, while cuDNN leads at
-head dim 64 and FA3 stops at 128 (benchmarks/results/SUMMARY.md). With
+Why it exists: on H100 at head dim 128, FA3 is 11-18% faster than the plans
+cuDNN's heuristics pick with a causal mask (forward and backward) and in the
+backward without one, while cuDNN leads at head dim 64 and FA3 stops at 128
+(benchmarks/results/SUMMARY.md). With
 ``backend="auto"`` dispatch runs it only where cudnn runs the same config too and
 a measurement on this GPU says it is faster (`fusedattn.backend_choice`);
 ``backend="flash"`` forces it.
@@ -12,8 +13,9 @@ a measurement on this GPU says it is faster (`fusedattn.backend_choice`);
 It exposes the per-device `forward` / `backward` that `native_call` wraps, so it
 partitions over batch and heads by fusedattn's one rule, not by the package's own
 (which wants q, k and v sharded alike). We bind the package's un-partitioned
-primitives (`flash_attn3_jax.flash_hlo`), the ones its own partitioning wraps;
-the pinned version range in pyproject keeps that internal name honest.
+forward primitive (`flash_attn3_jax.flash_hlo`), the one its own partitioning
+wraps, and its registered backward FFI target "flash_mha_bwd"; the pinned version
+range in pyproject keeps those internal names honest.
 
 What it runs: bf16 / fp16, bshd, separate q, k, v, dense sequences, d_qk == d_v
 <= 128 (the package's kernels stop there), GQA, no bias / dropout / score_mod /
@@ -23,10 +25,11 @@ mask or window runs only when s_q == s_kv, and never with s_q > s_kv (rows
 without keys). The LSE it saves is fp32 natural-log ``[b, h_q, s_q]``, the
 contract's.
 
-Gradients only with the causal mask: flash-attn3-jax 0.2.3's backward returns NaN
-or wrong gradients on every other config we measured (its own `flash_mha` as much
-as our binding; H100, against the float64 oracle). `training_reason` says so,
-auto dispatch never trains with it there, and a forced backward raises.
+The backward is our own call of the package's registered FFI target
+(`_backward_call`), not its `_flash_mha_bwd_hlo`: that one sizes FA3's two fp32
+scratch rows per (batch, head) for a 128-row tile, while the head-dim-128 kernel
+without a causal mask or window runs 80-row tiles, so the kernel wrote past them
+and the package's non-causal d128 gradients came back NaN or wrong.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from ..config import AttnConfig
 from . import native_call
@@ -45,16 +49,48 @@ INSTALL = "pip install 'fusedattn[flash]' (flash-attn3-jax, Hopper only)"
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels():
-    """The package's un-partitioned primitives (ImportError when it is absent)."""
+def _forward_kernel():
+    """The package's un-partitioned forward primitive (ImportError when it is absent);
+    importing it registers the package's FFI targets."""
     from flash_attn3_jax import flash_hlo  # noqa: PLC0415 - optional dependency
-    return flash_hlo._flash_mha_fwd_hlo, flash_hlo._flash_mha_bwd_hlo
+    return flash_hlo._flash_mha_fwd_hlo
+
+
+# Row heights of the tiles FA3's Hopper backward runs (mha_bwd_impl's kBlockM: 80 at
+# head dim 128 without a causal mask or window, 64 / 96 / 128 elsewhere). Its scratch
+# rows per (batch, head) are s_q rounded up to the tile's height.
+_BWD_TILE_ROWS = (64, 80, 96, 128)
+
+
+def _scratch_rows(s_q: int) -> int:
+    """Scratch rows enough for every tile height (at most 127 more than s_q)."""
+    return max(-(-s_q // m) * m for m in _BWD_TILE_ROWS)
+
+
+def _backward_call(config: AttnConfig, d_out, q, k, v, out, lse):
+    """FA3's backward through the package's FFI target "flash_mha_bwd", with the
+    softmax_d / base-2 LSE scratch sized for the kernel's tiles."""
+    _forward_kernel()  # registers the target
+    b, s_q, h_q, _ = q.shape
+    rows = jax.ShapeDtypeStruct((b, h_q, _scratch_rows(s_q)), jnp.float32)
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)] + [rows, rows]
+    none = jnp.zeros((0,), jnp.int32)  # cu_seqlens / seqused: absent (dense batches)
+    mask = _mask_args(config)
+    d_q, d_k, d_v, _, _ = jax.ffi.ffi_call("flash_mha_bwd", results)(
+        d_out, q, k, v, out, lse, none, none, none, none,
+        max_seqlen_q_val=s_q, max_seqlen_q_has_value=True,
+        max_seqlen_k_val=k.shape[1], max_seqlen_k_has_value=True,
+        softmax_scale_val=mask["softmax_scale"], softmax_scale_has_value=True,
+        is_causal=mask["is_causal"], window_size_left=mask["window_size"][0],
+        window_size_right=mask["window_size"][1], softcap=0.0, deterministic=False,
+        sm_margin=0)
+    return d_q, d_k, d_v
 
 
 def availability_reason() -> Optional[str]:
     """Why the kernels cannot run in this process (None if they can)."""
     try:
-        _kernels()
+        _forward_kernel()
     except Exception as e:  # absent, or built against another CUDA / jaxlib
         return f"flash-attn3-jax not importable ({type(e).__name__}: {e}); {INSTALL}"
     device = jax.devices()[0]
@@ -77,6 +113,7 @@ def config_reason(config: AttnConfig) -> Optional[str]:
         (config.sequence == "dense",
          f"{config.sequence} sequences: this FA3 binding takes dense batches only"),
         (config.d_qk == config.d_v, f"d_qk {config.d_qk} != d_v {config.d_v}"),
+        (config.d_qk % 8 == 0, f"head dim {config.d_qk}: FA3's kernels take multiples of 8"),
         (config.d_qk <= MAX_HEAD_DIM,
          f"head dim {config.d_qk}: flash-attn3-jax's kernels stop at {MAX_HEAD_DIM}"),
         (not config.has_bias, "bias: FA3 has none"),
@@ -92,15 +129,6 @@ def config_reason(config: AttnConfig) -> Optional[str]:
          "zero as the contract says"),
     )
     return next((why for ok, why in rules if not ok), None)
-
-
-def training_reason(config: AttnConfig) -> Optional[str]:
-    """Why flash must not run this config's backward (None: it may)."""
-    if _mask_args(config)["is_causal"]:
-        return None
-    return (f"flash-attn3-jax {package_version() or '(not installed)'}'s backward returns "
-            f"NaN / wrong gradients without its causal mask (measured against the float64 "
-            f"oracle on H100), so flash runs only the forward of this config")
 
 
 def package_version() -> Optional[str]:
@@ -134,18 +162,12 @@ BACKEND = _FlashBackend()
 # ---- the per-device kernels (native_call partitions and differentiates them) ------------
 def forward(config: AttnConfig, inputs: AttnInputs, training: bool):
     """(out, fp32 lse [b, h_q, s_q] when training)."""
-    fwd, _ = _kernels()
-    out, lse = fwd(inputs.q, inputs.k, inputs.v, **_mask_args(config))
+    out, lse = _forward_kernel()(inputs.q, inputs.k, inputs.v, **_mask_args(config))
     return out, (lse if training else None)
 
 
 def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
     """Gradients of q, k, v."""
-    why = training_reason(config)
-    if why is not None:
-        raise ValueError(f"flash backend cannot differentiate {config.short()}: {why}; "
-                         f"use backend='cudnn' or 'auto'")
-    _, bwd = _kernels()
-    d_q, d_k, d_v = bwd(d_out.astype(out.dtype), inputs.q, inputs.k, inputs.v, out, lse,
-                        **_mask_args(config))
+    d_q, d_k, d_v = _backward_call(config, d_out.astype(out.dtype), inputs.q, inputs.k,
+                                   inputs.v, out, lse)
     return AttnInputs(q=d_q, k=d_k, v=d_v)
