@@ -160,21 +160,19 @@ namespace {
 TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Graph>& g,
                const std::vector<TensorPtr>& inputs, const TensorPtr& score, const TensorPtr& grad,
                const std::vector<TensorPtr>& forward, std::vector<TensorPtr>& values) {
-  TensorPtr q_idx, kv_idx;
-  auto index = [&](TensorPtr& slot, int axis) {
-    if (!slot) {
-      slot = g->pointwise(score, fe::graph::Pointwise_attributes()
-                                     .set_mode(PointwiseMode_t::GEN_INDEX).set_axis(axis)
-                                     .set_compute_data_type(fe::DataType_t::INT32));
-      slot->set_data_type(fe::DataType_t::INT32);
-    }
-    return slot;
+  // A fresh index node for every use, as cuDNN's own masks each generate theirs.
+  auto index = [&](int axis) {
+    TensorPtr idx = g->pointwise(score, fe::graph::Pointwise_attributes()
+                                            .set_mode(PointwiseMode_t::GEN_INDEX).set_axis(axis)
+                                            .set_compute_data_type(fe::DataType_t::INT32));
+    idx->set_data_type(fe::DataType_t::INT32);
+    return idx;
   };
   auto operand = [&](const FlexOperand& o, bool integer) -> TensorPtr {
     switch (o.kind) {
       case FlexOperand::Kind::kScore: return score;
-      case FlexOperand::Kind::kQIdx: return index(q_idx, 2);
-      case FlexOperand::Kind::kKvIdx: return index(kv_idx, 3);
+      case FlexOperand::Kind::kQIdx: return index(2);
+      case FlexOperand::Kind::kKvIdx: return index(3);
       case FlexOperand::Kind::kGrad:
         if (!grad) throw std::invalid_argument("flex program: 'g' outside a bprop");
         return grad;
@@ -199,7 +197,21 @@ TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Grap
                                 : op.integer ? fe::DataType_t::INT32
                                              : fe::DataType_t::FLOAT;
     auto attrs = fe::graph::Pointwise_attributes().set_mode(info.mode).set_compute_data_type(type);
-    auto arg = [&](size_t i) { return operand(op.args[i], op.integer); };
+    // A comparison of an int32 value with an integral constant compares in int32.
+    bool int_compare = false;
+    if (info.boolean && info.arity == 2) {
+      for (const FlexOperand& o : op.args) {
+        using K = FlexOperand::Kind;
+        const TensorPtr t = o.kind == K::kValue ? values[o.index]
+                            : o.kind == K::kInput && static_cast<size_t>(o.index) < inputs.size()
+                                ? inputs[o.index] : nullptr;
+        int_compare |= o.kind == K::kQIdx || o.kind == K::kKvIdx ||
+                       (t && t->get_data_type() == fe::DataType_t::INT32);
+      }
+      for (const FlexOperand& o : op.args)
+        int_compare &= o.kind != FlexOperand::Kind::kConst || o.value == static_cast<int32_t>(o.value);
+    }
+    auto arg = [&](size_t i) { return operand(op.args[i], op.integer || int_compare); };
     TensorPtr out;
     if (info.arity == 1) {
       out = g->pointwise(arg(0), attrs);

@@ -36,9 +36,13 @@ log = logging.getLogger("fusedattn")
 ENV_MEASURE = "FUSEDATTN_MEASURE"
 # Per platform, backends that may run the same configs; listed in preference order.
 RIVALS: Dict[str, Tuple[str, ...]] = {"cuda": ("cudnn", "flash")}
-# Each timing repeats a step for at least this long, best of ROUNDS interleaved rounds.
+# Each timing repeats a step for at least this long, best of ROUNDS interleaved rounds,
+# after WARM_SECONDS of running every step (the GPU's clocks settle after the
+# compilations; H100, 2026-11-24: with 3 rounds and no such warm-up one run picked
+# cudnn for a causal d128 forward that FA3 runs 11% faster).
 MIN_SECONDS = 0.02
-ROUNDS = 3
+ROUNDS = 5
+WARM_SECONDS = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +217,13 @@ def _measure(config: AttnConfig, candidates: Tuple[str, ...]):
                                                  if trains else [])
 
     calls = {name: steps(name) for name in candidates}
-    for pair in calls.values():  # compile and warm up
+    for pair in calls.values():  # compile
         for fn, args in pair:
+            jax.block_until_ready(fn(*args))
+    steps_run = [step for pair in calls.values() for step in pair]
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_SECONDS:
+        for fn, args in steps_run:
             jax.block_until_ready(fn(*args))
     best = {(name, i): float("inf") for name, pair in calls.items() for i in range(len(pair))}
     for _ in range(ROUNDS):

@@ -1,6 +1,7 @@
 """Lowered score_mods / mask_mods on cuDNN (tests/flex_cases.py): forward, LSE and every
 gradient (score_mod_args included) against the float64 oracle, each mod alone and
-with a causal mask, padding and GQA; padded rows exactly 0. Where cuDNN's own engines
+with a causal mask (top-left and bottom-right), a sliding window, padding and GQA;
+padded rows exactly 0. Where cuDNN's own engines
 have no plan for a lowered graph (its message, in explain()), the call runs on XLA
 and the case is skipped, saying so.
 Tolerance: the project's bf16 one (tests/attn_cases.py, 4e-2 relative L2)."""
@@ -24,7 +25,10 @@ from fusedattn import score_mods  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 VARIANTS = {"alone": {}, "causal": dict(mask="causal"), "padding": dict(sequence="padding"),
-            "gqa": dict(h_kv=2, mask="causal")}
+            "gqa": dict(h_kv=2, mask="causal"),
+            # composed in int32, in the forms of cuDNN's own masks (flex_lowering)
+            "bottom_right": dict(mask="causal_bottom_right", s_q=128),
+            "window": dict(window=(32, 16))}
 
 
 def _case(name: str, **change) -> ac.Case:

@@ -1,0 +1,56 @@
+"""Does cuDNN skip the fully masked blocks of a mask written into a score_mod? Times,
+round-robin in one process, our plain causal cuDNN call beside the same causal mask
+as a lowered mask_mod alone, with a relative-position score_mod, and the unmasked
+score_mod. b4 s4096 h16 d128 bf16, TFLOP/s with the causal FLOP count (half) for
+every row, so a rate near the plain causal one means the blocks were skipped. GPU.
+
+    python benchmarks/tune/flex_mask_speed.py
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_attention import _inputs  # noqa: E402
+from common import print_table, run_main, step, time_row, warm_into  # noqa: E402
+
+import fusedattn  # noqa: E402
+from fusedattn.config import AttnConfig  # noqa: E402
+
+B, S, H, D = 4, 4096, 16, 128
+
+
+def relpos(s, b, h, q, k):
+    return s + 0.01 * (q - k)
+
+
+FORMS = {  # name -> fused_attn keyword arguments
+    "plain causal": dict(mask="causal"),
+    "mask_mod q >= k": dict(mask_mod=lambda b, h, q, k: q >= k),
+    "relpos + causal": dict(mask="causal", score_mod=relpos),
+    "relpos, no mask": dict(score_mod=relpos),
+}
+
+
+def main():
+    q, k, v, do = _inputs(B, S, H, H, D)
+    causal = AttnConfig(batch=B, s_q=S, s_kv=S, h_q=H, h_kv=H, d_qk=D, d_v=D,
+                        dtype="bfloat16", mask="causal")
+    rows = []
+    for mode in ("fwd", "fwd+bwd"):
+        row = {"mode": mode}
+        calls = {}
+        for name, kw in FORMS.items():
+            fn = lambda q, k, v, kw=kw: fusedattn.fused_attn(q, k, v, backend="cudnn", **kw)  # noqa: E731
+            why = warm_into(calls, name, *step(fn, mode, q, k, v, do))
+            if why is not None:
+                reason = dict(fusedattn.explain(q, k, v, backend="cudnn", **kw).reasons)
+                print(f"{name} {mode}: {why}; cudnn: {reason.get('cudnn')}", flush=True)
+        time_row(row, calls, causal.flops(backward=mode == "fwd+bwd"))
+        rows.append(row)
+    print_table(rows, ["mode"] + list(FORMS))
+
+
+if __name__ == "__main__":
+    run_main(main)
