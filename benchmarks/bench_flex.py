@@ -12,6 +12,7 @@ Writes benchmarks/results/flex_<device>.json.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ from common import (device_meta, device_slug, print_table, run_main, step, time_
                     warm_into, write_results)
 
 import fusedattn  # noqa: E402
-from fusedattn import score_mods  # noqa: E402
+from fusedattn import causal_chunks, score_mods  # noqa: E402
 from fusedattn.config import AttnConfig  # noqa: E402
 
 B, S, H, D = 4, 4096, 16, 128
@@ -41,6 +42,27 @@ CASES = {
                                  False),
     "document_mask": (None, lambda b, h, q, k: (q // 1024) == (k // 1024), "none", False),
 }
+
+# Query chunk counts tried for causal cases (FUSEDATTN_FLEX_CAUSAL_CHUNKS), beside the
+# default (4 at this shape): one call, and 8 chunks.
+CHUNKS = (1, 8)
+
+
+@contextlib.contextmanager
+def _chunk_count(impl: str):
+    """FUSEDATTN_FLEX_CAUSAL_CHUNKS as an implementation's name says (-chunksN)."""
+    n = impl.rpartition("-chunks")[2] if "-chunks" in impl else None
+    previous = os.environ.get(causal_chunks.ENV_CHUNKS)
+    if n is not None:
+        os.environ[causal_chunks.ENV_CHUNKS] = n
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(causal_chunks.ENV_CHUNKS, None)
+        else:
+            os.environ[causal_chunks.ENV_CHUNKS] = previous
+
 
 TORCH = r'''
 import json, math, statistics, sys, time
@@ -122,12 +144,18 @@ def main():
             "fusedattn-cudnn-plain": lambda q, k, v, mk=mask:
                 fusedattn.fused_attn(q, k, v, mask=mk, backend="cudnn"),
         }
+        if mask == "causal":  # the causal score_mod in query chunks (fusedattn.causal_chunks)
+            for n in CHUNKS:
+                # a function of its own: jit would reuse the unchunked trace of the same one
+                impls[f"fusedattn-cudnn-flex-chunks{n}"] = (
+                    lambda q, k, v, f=impls["fusedattn-cudnn-flex"]: f(q, k, v))
         for mode in ("fwd", "fwd+bwd"):
             row = {"case": name, "mode": mode}
             flops = cfg.flops(backward=mode == "fwd+bwd")
             calls = {}
             for impl, fn in impls.items():
-                why = warm_into(calls, impl, *step(fn, mode, q, k, v, do))
+                with _chunk_count(impl):  # read when the call is traced
+                    why = warm_into(calls, impl, *step(fn, mode, q, k, v, do))
                 if why is not None:
                     notes[f"{impl} {name} {mode}"] = why
             time_row(row, calls, flops)
@@ -137,6 +165,10 @@ def main():
             for other in ("fusedattn-cudnn-plain", "fusedattn-xla", "torch-flex"):
                 if ours and row.get(other):
                     row[f"x {other}"] = ours / row[other]
+            for n in CHUNKS:
+                chunked = row.get(f"fusedattn-cudnn-flex-chunks{n}")
+                if chunked and row.get("torch-flex"):
+                    row[f"chunks{n} x torch-flex"] = chunked / row["torch-flex"]
             rows.append(row)
             print(f"  {name} {mode}: " + ", ".join(f"{i}={row[i]:.0f}" for i in row
                                                    if isinstance(row[i], float) and "x " not in i
@@ -145,7 +177,7 @@ def main():
     print("\nTFLOP/s (bf16; causal halved) and ratios of fusedattn-cudnn-flex")
     print_table(rows, ["case", "mode", "fusedattn-cudnn-flex", "fusedattn-cudnn-plain",
                        "fusedattn-xla", "torch-flex", "x fusedattn-cudnn-plain", "x fusedattn-xla",
-                       "x torch-flex"])
+                       "x torch-flex"] + [f"chunks{n} x torch-flex" for n in CHUNKS])
     for key, value in notes.items():
         print(f"note: {key}: {value}")
     meta.update({"notes": notes, "shape": f"b{B} s{S} h{H} d{D}"})

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ helpers
 import attn_cases as ac  # noqa: E402
 import flex_cases as fc  # noqa: E402
 import fusedattn  # noqa: E402
-from fusedattn import score_mods  # noqa: E402
+from fusedattn import causal_chunks, score_mods  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -66,6 +66,18 @@ def test_lowered_mod_matches_the_oracle(name, variant):
     _check_against_the_oracle(name, variant, VARIANTS[variant])
 
 
+@pytest.mark.parametrize("name", fc.LOWERED)
+def test_causal_mods_in_query_chunks_match_the_oracle(name, monkeypatch):
+    """fusedattn.causal_chunks: 4 chunks of 64 queries, GQA, bottom-right over longer kv.
+    A mask_mod's chunk may have no cuDNN engine (prefix-LM's first chunk: three masks),
+    and then the call runs whole, as checked here too."""
+    monkeypatch.setenv(causal_chunks.ENV_CHUNKS, "4")
+    plan = _check_against_the_oracle(name, "chunks", dict(h_kv=2, mask="causal_bottom_right",
+                                                          s_kv=320))
+    if fc.MODS[name][1] is None:
+        assert "4 query chunks of 64 rows" in str(plan), str(plan)
+
+
 def _check_against_the_oracle(name, variant, change):
     case = _case(name, **change)
     built = ac.build(case)
@@ -89,6 +101,7 @@ def _check_against_the_oracle(name, variant, change):
     assert max(errors.values()) < tol, errors
     q_pad = ac.padded_query_mask(built)
     assert np.all(out[q_pad] == 0) and np.all(dq[q_pad] == 0)
+    return plan
 
 
 def test_cudnn_still_misreads_per_batch_score_mod_tensors(monkeypatch):

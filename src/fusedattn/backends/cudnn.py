@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import fp8
+from .. import causal_chunks, fp8
 from ..config import AttnConfig
 from ..score_mods import Alibi, SoftCap
 from . import cudnn_flex, cudnn_probe, native, native_call
@@ -224,10 +224,13 @@ class _CudnnBackend:
         return attention_with_lse(config, inputs, need_lse=False)[0]
 
     def details(self, config: AttnConfig) -> str:
-        """For explain(): the execution plan each graph runs, and how it was picked."""
-        if cudnn_probe.assumed() is not None:
-            return ""
-        return probe(config).describe()
+        """For explain(): query chunks of a causal score_mod, and the execution plan each
+        graph runs and how it was picked."""
+        parts = flex_chunks(config)
+        lines = [causal_chunks.describe(config, parts)] if parts else []
+        if cudnn_probe.assumed() is None:
+            lines += [probe(ch.config).describe() for ch in parts[:1]] or [probe(config).describe()]
+        return "\n".join(filter(None, lines))
 
 
 BACKEND = _CudnnBackend()
@@ -304,14 +307,31 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
         raise ValueError(f"cudnn backend cannot run {config.short()}: {why}")
     if not cudnn_flex.is_flex(config):
         return native_call.attention("cudnn", config, inputs, need_lse=need_lse)
+    parts = flex_chunks(config)
 
     def native(i):
+        if parts:
+            return causal_chunks.attention(
+                config, i, parts,
+                lambda c, ci: native_call.attention("cudnn", c, ci, need_lse=need_lse))
         return native_call.attention("cudnn", config, i, need_lse=need_lse)
     if cudnn_flex.float_args(config):
         out, lse = cudnn_flex.with_arg_gradients(native, config, inputs)
     else:
         out, lse = native(inputs)
     return cudnn_flex.zero_padded_rows(config, inputs, out, lse)
+
+
+def flex_chunks(config: AttnConfig) -> Tuple[causal_chunks.Chunk, ...]:
+    """The query chunks a causal lowered score_mod runs in (`fusedattn.causal_chunks`):
+    none unless chunking is on and cuDNN runs every chunk's config."""
+    n = causal_chunks.count(config)
+    if not cudnn_flex.is_flex(config) or causal_chunks.reason(config, n) is not None:
+        return ()
+    parts = causal_chunks.chunks(config, n)
+    if any(BACKEND.supports(ch.config) is not None for ch in parts):
+        return ()
+    return parts
 
 
 def _flex_inputs(config: AttnConfig, inputs: AttnInputs) -> Tuple[jax.Array, ...]:
