@@ -222,6 +222,8 @@ class _Program:
         text = f"{op}:{','.join(args)}"
         if text in self.forward:
             return self.forward[text]
+        if text in self.lines:  # computed already (a chunk's offset query index, twice)
+            return f"v{self.lines.index(text)}"
         self.lines.append(text)
         name = f"v{len(self.lines) - 1}"
         if op.endswith(".i"):
