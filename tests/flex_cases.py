@@ -54,6 +54,9 @@ MODS = {
                      None, _none, None),
     "quadratic_distance": (lambda s, b, h, q, k: s - 1e-3 * (q - k) ** 2, None, _none, None),
     "clip": (lambda s, b, h, q, k: jnp.clip(s, -2.0, 2.0), None, _none, None),
+    # a mask written inside the score_mod itself, not as a mask_mod
+    "masked_inside": (lambda s, b, h, q, k: jnp.where(k <= q, s + 0.05 * (q - k), -jnp.inf),
+                      None, _none, None),
     # (a per-batch *shift* has a zero gradient: softmax ignores it; a scale does not)
     "per_batch_scale": (lambda s, b, h, q, k, sc: s * sc[b], None, _batch_scale, None),
     "t5_bucket_table": (_t5_bucket, None, _buckets, "gather"),

@@ -69,6 +69,17 @@ def fl_run(program, score, q_idx, kv_idx, inputs, grad=None, forward=""):
                                    [np.asarray(x) for x in inputs], grad, forward)
 
 
+def test_a_mask_inside_a_score_mod_leaves_a_linear_bprop():
+    """The derivative of ``where(mask, f(s), -inf)`` is a select between constants for
+    a linear f, which cuDNN's engines refuse; the bprop drops it (cuDNN's dS is 0 where
+    the forward masked). A nonlinear f keeps it: its derivative may be NaN there."""
+    config, _ = _config("masked_inside")
+    assert flex_lowering.lower(config, config.score_mod).bprop == "id:g"
+    tanh = lambda s, b, h, q, k: jnp.where(k <= q, jnp.tanh(s), -jnp.inf)  # noqa: E731
+    config = dataclasses.replace(config, score_mod=tanh)
+    assert "sel:" in flex_lowering.lower(config, tanh).bprop
+
+
 def test_padding_lengths_are_composed_as_static_inputs():
     q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.bfloat16)
     seq = fusedattn.SequenceDescriptor.from_lengths(jnp.array([S, 7]), jnp.array([5, S]))

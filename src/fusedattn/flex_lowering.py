@@ -196,10 +196,13 @@ class _Program:
     they read to inputs (evaluated by XLA), scalar constants folded into the text."""
 
     def __init__(self, first_input: int, consts: Dict[object, np.ndarray],
-                 forward: Optional[Dict[str, str]] = None):
+                 forward: Optional[Dict[str, str]] = None, masks: frozenset = frozenset()):
         self.lines: List[str] = []
         # bprop only: forward instruction text -> "wN", to read its values, not recompute
         self.forward = forward or {}
+        # bprop only: the forward's predicates that select -inf ("wN")
+        self.masks = masks
+        self.dropped_mask = False  # a select on one of them was left out
         self.bool_expr: Dict[object, Tuple[str, tuple]] = {}  # and / or / not / compare
         self.inputs: List[object] = []  # vars XLA evaluates and the graph takes
         self.first_input = first_input
@@ -340,7 +343,14 @@ class _Program:
             if len(ins) != 3 or not self._is_bool(ins[0]):
                 raise Unsupported("score_mod selects among more than two cases (select_n with "
                                   "an integer index); cuDNN selects with a predicate")
-            return self.emit("sel", a(0), a(2), a(1))
+            cond, if_false, if_true = a(0), a(1), a(2)
+            if cond in self.masks and if_false == "c0.0" and _finite_constant(if_true):
+                # The derivative of a mask written into the score_mod: where the forward
+                # selected -inf, cuDNN's dS is 0 already, so the constant alone is exact
+                # (cuDNN's engines refuse a select between constants).
+                self.dropped_mask = True
+                return if_true
+            return self.emit("sel", cond, if_true, if_false)
         if name == "convert_element_type":
             return self._convert(ins[0], eqn.params["new_dtype"])
         if name == "integer_pow":
@@ -437,27 +447,34 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         bwd = jax.make_jaxpr(derivative)(*specs)
     except Exception as e:  # a function that does not trace: say so
         raise Unsupported(f"score_mod / mask_mod did not trace: {type(e).__name__}: {e}") from e
-    programs = []
-    first = 0
     forward_texts: Dict[str, str] = {}
-    for closed, is_bprop in ((fwd, False), (bwd, True)):
+
+    def lower_one(closed, first: int, masks: frozenset = frozenset()) -> _Program:
         consts = {v: np.asarray(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
         rename: Dict[object, object] = {}
         eqns = _flatten(closed.jaxpr, rename, consts)
         out = closed.jaxpr.outvars[0]
         out = out if isinstance(out, Literal) else rename.get(out, out)
-        p = _Program(first, consts, forward_texts if is_bprop else None)
+        is_bprop = closed is bwd
+        p = _Program(first, consts, forward_texts if is_bprop else None, masks)
         invars = closed.jaxpr.invars
         result = p.lower(_live(eqns, [out]), out, dict(zip((invars[0], invars[3], invars[4]),
                                                            ("s", "q", "k"))))
         if is_bprop:
             result = p.emit("mul", "g", result)
         p.lines = _prune(p.lines, result)
-        if not is_bprop:
-            forward_texts = {re.sub(r"\bv(\d+)", r"w\1", line): f"w{i}"
-                             for i, line in enumerate(p.lines)}
-        programs.append((p, closed))
-        first += len(p.inputs)
+        return p
+
+    pf = lower_one(fwd, 0)
+    forward_texts = {re.sub(r"\bv(\d+)", r"w\1", line): f"w{i}" for i, line in enumerate(pf.lines)}
+    masks = frozenset(f"w{m.group(1)}" for m in (
+        re.fullmatch(r"sel:v(\d+),[^,]+,c-inf", line) for line in pf.lines) if m)
+    pb = lower_one(bwd, len(pf.inputs), masks)
+    if pb.dropped_mask and not _constant_times_gradient(pb.lines):
+        # Past the dropped select the derivative reads the score or positions, which
+        # may be NaN / inf where the mask hid the pair (0 * NaN): keep the select.
+        pb = lower_one(bwd, len(pf.inputs))
+    programs = [(pf, fwd), (pb, bwd)]
     _read_score_through_forward(programs[0][0], programs[1][0])
     shapes = tuple(_input_shape(p, v) for p, _ in programs for v in p.inputs)
     ints = tuple(_is_int(v) for p, _ in programs for v in p.inputs)
@@ -518,6 +535,15 @@ def _source(p: _Program, var):
         var, kept = p.origin[var]
         dims = kept if dims is None else tuple(dims[d] for d in kept)
     return var, dims
+
+
+def _constant_times_gradient(lines: List[str]) -> bool:
+    """Whether a bprop program reads only the gradient and constants."""
+    return all(a == "g" or a[0] in "cv" for line in lines for a in line.split(":")[1].split(","))
+
+
+def _finite_constant(operand: str) -> bool:
+    return operand.startswith("c") and math.isfinite(float(operand[1:]))
 
 
 def _is_int(var) -> bool:
