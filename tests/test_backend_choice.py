@@ -70,13 +70,25 @@ def test_a_damaged_stored_choice_is_measured_again():
     ident = {"gpu": "H100"}
     m = Measure({"cudnn": (2e-3, 5e-3), "flash": (1e-3, 4e-3)})
     backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident)
-    disk = {**ident, "what": "backend-choice", "config": repr(BASE),
-            "candidates": ["cudnn", "flash"]}
+    disk = backend_choice.stored_identity(ident, BASE, ("cudnn", "flash"))
     plan_cache.store_json(disk, [["cudnn", -1, 5.0], ["flash", 1.0, 4.0]])
     backend_choice.clear()
     assert backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident).source \
         == "measured now"
     assert m.calls == 2
+
+
+def test_a_choice_stored_by_an_earlier_revision_is_measured_again():
+    """Entries from before flash trained every config (no revision in their key) held
+    no flash training time; they must not decide today's training backend."""
+    ident = {"gpu": "H100"}
+    old = {**ident, "what": "backend-choice", "config": repr(BASE),
+           "candidates": ["cudnn", "flash"]}
+    plan_cache.store_json(old, [["cudnn", 2.0, 5.0], ["flash", 1.0, None]])
+    m = Measure({"cudnn": (2e-3, 5e-3), "flash": (1e-3, 4e-3)})
+    choice = backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident)
+    assert choice.source == "measured now" and choice.training == "flash"
+    assert m.calls == 1
 
 
 def test_rivals_only_when_the_group_leads_and_has_two():

@@ -43,6 +43,11 @@ RIVALS: Dict[str, Tuple[str, ...]] = {"cuda": ("cudnn", "flash")}
 MIN_SECONDS = 0.02
 ROUNDS = 5
 WARM_SECONDS = 0.2
+# What stored timings mean; bumped when what or how we measure changes, so choices
+# stored before are measured again. 2 (2026-11-24): flash trains every config it runs
+# (earlier entries hold no training time where its backward was wrong) and the
+# warm-up before the rounds.
+STORE_REVISION = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,9 +119,8 @@ def choose(config: AttnConfig, platform: str, candidates: Tuple[str, ...],
         found = _choices.get(key)
         if found is not None:
             return found
-        disk_identity = None if identity is None else {
-            **identity, "what": "backend-choice", "config": repr(config),
-            "candidates": list(candidates)}
+        disk_identity = None if identity is None else stored_identity(identity, config,
+                                                                        candidates)
         stored = None if disk_identity is None else plan_cache.load_json(disk_identity)
         if _valid(stored, candidates):
             found = pick([tuple(t) for t in stored], "persistent cache")
@@ -133,6 +137,12 @@ def choose(config: AttnConfig, platform: str, candidates: Tuple[str, ...],
                 plan_cache.store_json(disk_identity, [list(t) for t in timings])
         _choices[key] = found
         return found
+
+
+def stored_identity(identity: dict, config: AttnConfig, candidates: Tuple[str, ...]) -> dict:
+    """The persistent cache's key of a choice on the machine `identity` names."""
+    return {**identity, "what": "backend-choice", "revision": STORE_REVISION,
+            "config": repr(config), "candidates": list(candidates)}
 
 
 def _valid(stored, candidates) -> bool:
