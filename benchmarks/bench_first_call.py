@@ -4,8 +4,9 @@ persistent plan cache (fusedattn.plan_cache).
 Each measurement is a new Python process (what a new training job pays): it
 imports JAX, starts the GPU, then times (a) the cuDNN support probe, which builds
 or loads the config's three graphs, and (b) the first jitted forward+backward call
-(XLA compilation included). "cold" runs with an empty cache directory, "warm" with
-the one the cold run filled. The process's first cuDNN handle is created inside
+(XLA compilation included), then (c) the first such call with backend="auto": where
+FlashAttention-3 runs the config too, it first times both (`backend_choice`). "cold"
+runs with an empty cache directory, "warm" with the one the cold run filled. The process's first cuDNN handle is created inside
 the probe either way; the "second config" column is a probe of another config
 after the first one, which no longer pays for it.
 
@@ -55,9 +56,16 @@ step = jax.jit(jax.grad(lambda q: jnp.sum(fusedattn.fused_attn(q, q, q, mask=mas
 t0 = time.perf_counter()
 jax.block_until_ready(step(q))
 call_s = time.perf_counter() - t0
+# backend="auto": where flash runs the config too, its first call times both backends
+# (fusedattn.backend_choice) unless the persistent cache holds the choice.
+auto = jax.jit(jax.grad(lambda q: jnp.sum(fusedattn.fused_attn(q, q, q, mask=mask) * 2)))
+t0 = time.perf_counter()
+jax.block_until_ready(auto(q))
+auto_s = time.perf_counter() - t0
 print("RESULT" + json.dumps({"ok": probe.ok, "from_plan": probe.from_plan,
                              "probe_s": probe_s, "second_config_probe_s": second_s,
-                             "first_step_s": call_s, "notes": probe.plan_notes}))
+                             "first_step_s": call_s, "auto_first_step_s": auto_s,
+                             "notes": probe.plan_notes}))
 """
 
 
@@ -87,6 +95,7 @@ def main():
             row[f"{label} probe ms"] = 1e3 * r["probe_s"]
             row[f"{label} 2nd config probe ms"] = 1e3 * r["second_config_probe_s"]
             row[f"{label} first step s"] = r["first_step_s"]
+            row[f"{label} auto first step s"] = r["auto_first_step_s"]
             row[f"{label} from plan"] = all(r["from_plan"])
         row["notes"] = "; ".join(n for n in warm["notes"] + cold["notes"] if n)
         rows.append(row)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import random
 import re
 import statistics
 import sys
@@ -101,15 +102,22 @@ def time_interleaved(calls: Dict[str, Tuple[Callable, tuple]], rounds: int = 7,
     """Median seconds per call of each already warmed-up jitted `fn(*args)` in `calls`.
 
     Rounds go round-robin over the entries, so a drift of the device's clocks
-    touches every entry alike and their ratios stay honest; each round repeats a
-    call until it lasts about `min_round_s`, so short kernels are not timed
-    against host jitter.
+    touches every entry alike and their ratios stay honest. Each round runs them in
+    a new (seeded) order: in one fixed order an entry always follows the same
+    neighbour, and the clocks a heavy or a light step leaves behind moved one entry
+    by 2-3% against another running the very same kernels (H100, 2026-11-24). Each
+    round repeats a call until it lasts about `min_round_s`, so short kernels are not
+    timed against host jitter.
     """
     reps = {name: max(3, math.ceil(min_round_s / max(_time_round(fn, args, 1), 1e-6)))
             for name, (fn, args) in calls.items()}
     samples: Dict[str, List[float]] = {name: [] for name in calls}
+    order = random.Random(0)
     for _ in range(rounds):
-        for name, (fn, args) in calls.items():
+        names = list(calls)
+        order.shuffle(names)
+        for name in names:
+            fn, args = calls[name]
             samples[name].append(_time_round(fn, args, reps[name]))
     return {name: statistics.median(s) for name, s in samples.items()}
 

@@ -131,7 +131,9 @@ def test_each_chunks_lowered_program_matches_its_function(name):
         batch, head = jnp.arange(B).reshape(B, 1, 1, 1), jnp.arange(H).reshape(1, H, 1, 1)
         want = np.asarray(f(jnp.asarray(score), batch, head, jnp.asarray(q_idx),
                             jnp.asarray(kv_idx), *inputs.score_mod_args), np.float64)
-        got = flex_interpreter.interpret(low.forward, score, q_idx, kv_idx, static, None, "")
+        shift = low.row_shift(inputs.score_mod_args, ())
+        got = flex_interpreter.interpret(low.forward, score, q_idx, kv_idx, static, None, "") \
+            + (0.0 if shift is None else np.asarray(shift, np.float64))
         finite = np.isfinite(want)
         np.testing.assert_array_equal(np.isfinite(got), finite)
         np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from . import flex_hoist
 from .config import AttnConfig
 from .score_mods import Masked
 
@@ -81,6 +82,12 @@ class Lowered:
     input_ints: Tuple[bool, ...]  # which static inputs are int32 (else float32)
     # Evaluates the static inputs from (score_mod_args, q_lengths, kv_lengths).
     evaluate: Callable = dataclasses.field(compare=False, repr=False, hash=False)
+    # The query-only terms left out of the forward program (`flex_hoist`), as text
+    # ("" when none), and what evaluates them from (score_mod_args, lengths): an fp32
+    # [b|1, h|1, s_q, 1] array to add to the LSE, or None.
+    row_terms: str = ""
+    row_shift: Callable = dataclasses.field(compare=False, repr=False, hash=False,
+                                            default=lambda args, lengths: None)
 
 
 def masked_score_mod(config: AttnConfig, score_mod: Optional[Callable],
@@ -474,6 +481,7 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         # Past the dropped select the derivative reads the score or positions, which
         # may be NaN / inf where the mask hid the pair (0 * NaN): keep the select.
         pb = lower_one(bwd, len(pf.inputs))
+    row, row_text = _hoist_row_terms(pf, pb)
     programs = [(pf, fwd), (pb, bwd)]
     _read_score_through_forward(programs[0][0], programs[1][0])
     shapes = tuple(_input_shape(p, v) for p, _ in programs for v in p.inputs)
@@ -488,8 +496,50 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
             env = _evaluate_static(p, closed, batch, head, list(args) + list(lengths))
             values += [_materialize(p, env, v, s) for v, s in zip(p.inputs, shapes[len(values):])]
         return values
+
+    def row_shift(args: Sequence[jax.Array], lengths: Sequence[jax.Array]):
+        if not row:
+            return None
+        batch = jnp.arange(config.batch, dtype=jnp.int32).reshape(-1, 1, 1, 1)
+        head = jnp.arange(config.h_q, dtype=jnp.int32).reshape(1, -1, 1, 1)
+        env = _evaluate_static(pf, fwd, batch, head, list(args) + list(lengths))
+        q_idx = jnp.arange(config.s_q, dtype=jnp.float32).reshape(1, 1, -1, 1)
+        total = jnp.zeros((1, 1, 1, 1), jnp.float32)
+        for coef, factors, atom in row:
+            value = jnp.float32(coef) * (q_idx if atom == "q" else 1.0)
+            for var in factors + ((atom,) if atom not in ("1", "q") else ()):
+                value = value * _materialize(pf, env, var, _input_shape(pf, var)).astype(
+                    jnp.float32)
+            total = total + value
+        return total
     (pf, _), (pb, _) = programs
-    return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, ints, evaluate)
+    return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, ints, evaluate, row_text,
+                   row_shift)
+
+
+def _hoist_row_terms(pf: _Program, pb: _Program):
+    """Leaves the forward's query-only terms out of it (`flex_hoist`), and inputs no
+    program reads any more out of both. Returns the terms with their static inputs as
+    vars, ((coefficient, factor vars, atom: "1", "q" or a var), ...), and as text."""
+    if not pf.lines or any(t.startswith("w") for t in flex_hoist.tokens(pb.lines)):
+        return (), ""  # (the bprop reads forward values by number)
+    token_var = {f"a{pf.first_input + i}": v for i, v in enumerate(pf.inputs)}
+    shapes = {t: _input_shape(pf, v) for t, v in token_var.items()}
+    result = pf.lines[-1].split(":")[1] if pf.lines[-1].startswith("id:") \
+        else f"v{len(pf.lines) - 1}"
+    lines, result, terms = flex_hoist.hoist(pf.lines, result, shapes)
+    if not terms:
+        return (), ""
+    pf.lines = _prune(lines, result)
+    unused = flex_hoist.unused_inputs(0, len(pf.inputs), pf.lines)
+    if unused:  # e.g. a query offset that only the hoisted terms read
+        kept = [i for i in range(len(pf.inputs) + len(pb.inputs)) if i not in unused]
+        mapping = {f"a{old}": f"a{new}" for new, old in enumerate(kept)}
+        pf.lines = flex_hoist.rename_inputs(pf.lines, mapping)
+        pb.lines = flex_hoist.rename_inputs(pb.lines, mapping)
+        pf.inputs = [v for i, v in enumerate(pf.inputs) if i not in unused]
+    return (tuple((c, tuple(token_var[f] for f in factors), token_var.get(atom, atom))
+                  for c, factors, atom in terms), flex_hoist.describe(terms))
 
 
 def _prune(lines: List[str], result: str) -> List[str]:

@@ -21,6 +21,8 @@ import attn_cases as ac  # noqa: E402
 import flex_cases as fc  # noqa: E402
 import fusedattn  # noqa: E402
 from fusedattn import causal_chunks, score_mods  # noqa: E402
+from fusedattn.validation import build_call  # noqa: E402
+from fusedattn.backends import cudnn  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -102,6 +104,12 @@ def _check_against_the_oracle(name, variant, change):
     assert max(errors.values()) < tol, errors
     q_pad = ac.padded_query_mask(built)
     assert np.all(out[q_pad] == 0) and np.all(dq[q_pad] == 0)
+    # The LSE of the score_mod itself (query-only terms the program leaves out added
+    # back, flex_hoist), at rows with a visible key.
+    config, inputs = build_call(uq, uk, uv, **built.options())
+    _, lse = jax.jit(lambda i: cudnn.attention_with_lse(config, i))(inputs)
+    rows = np.isfinite(ref.lse) & ~q_pad[:, None, :]
+    assert ac.rel_error(np.asarray(lse)[rows], ref.lse[rows]) < 1e-3
     return plan
 
 

@@ -224,10 +224,11 @@ class _CudnnBackend:
         return attention_with_lse(config, inputs, need_lse=False)[0]
 
     def details(self, config: AttnConfig) -> str:
-        """For explain(): query chunks of a causal score_mod, and the execution plan each
-        graph runs and how it was picked."""
+        """For explain(): a lowered score_mod's programs, query chunks of a causal one,
+        and the execution plan each graph runs and how it was picked."""
         parts = flex_chunks(config)
-        lines = [causal_chunks.describe(config, parts)] if parts else []
+        lines = [cudnn_flex.describe(config)] if cudnn_flex.is_flex(config) else []
+        lines += [causal_chunks.describe(config, parts)] if parts else []
         if cudnn_probe.assumed() is None:
             lines += [probe(ch.config).describe() for ch in parts[:1]] or [probe(config).describe()]
         return "\n".join(filter(None, lines))
@@ -309,12 +310,12 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
         return native_call.attention("cudnn", config, inputs, need_lse=need_lse)
     parts = flex_chunks(config)
 
+    def call(c: AttnConfig, ci: AttnInputs):
+        out, lse = native_call.attention("cudnn", c, ci, need_lse=need_lse)
+        return out, cudnn_flex.with_row_shift(c, ci, lse)
+
     def native(i):
-        if parts:
-            return causal_chunks.attention(
-                config, i, parts,
-                lambda c, ci: native_call.attention("cudnn", c, ci, need_lse=need_lse))
-        return native_call.attention("cudnn", config, i, need_lse=need_lse)
+        return causal_chunks.attention(config, i, parts, call) if parts else call(config, i)
     if cudnn_flex.float_args(config):
         out, lse = cudnn_flex.with_arg_gradients(native, config, inputs)
     else:

@@ -69,6 +69,16 @@ def reason(config: AttnConfig) -> Optional[str]:
     return None
 
 
+def describe(config: AttnConfig) -> str:
+    """The lowered programs, for explain()."""
+    low = lowered(config)
+    text = f"score_mod lowered to cuDNN: forward {low.forward!r}, bprop {low.bprop!r}"
+    if low.row_terms:
+        text += (f"; query-only terms left out of the forward program (softmax is "
+                 f"shift-invariant along a row; the LSE adds them back): {low.row_terms}")
+    return text
+
+
 def key_fields(config: AttnConfig) -> Dict[str, object]:
     """The graph-key fields a lowered score_mod sets: its programs and inputs, and no
     cuDNN masks (the programs hold them)."""
@@ -79,13 +89,28 @@ def key_fields(config: AttnConfig) -> Dict[str, object]:
                                for shape, is_int in zip(low.input_shapes, low.input_ints))}
 
 
+def _lengths(config: AttnConfig, inputs: AttnInputs):
+    if not config.is_padded:
+        return ()
+    return (jnp.clip(inputs.sequence.q_lengths, 0, config.s_q).astype(jnp.int32),
+            jnp.clip(inputs.sequence.kv_lengths, 0, config.s_kv).astype(jnp.int32))
+
+
 def static_inputs(config: AttnConfig, inputs: AttnInputs):
     """The programs' static inputs, evaluated by XLA from the arguments and lengths."""
-    lengths = ()
-    if config.is_padded:
-        lengths = (jnp.clip(inputs.sequence.q_lengths, 0, config.s_q).astype(jnp.int32),
-                   jnp.clip(inputs.sequence.kv_lengths, 0, config.s_kv).astype(jnp.int32))
-    return tuple(lowered(config).evaluate(inputs.score_mod_args, lengths))
+    return tuple(lowered(config).evaluate(inputs.score_mod_args, _lengths(config, inputs)))
+
+
+def with_row_shift(config: AttnConfig, inputs: AttnInputs, lse):
+    """The LSE of the score_mod itself from the one cuDNN returns: the query-only terms
+    the forward program leaves out (`flex_hoist`) added back (no gradient, as every
+    LSE fusedattn returns)."""
+    if lse is None:
+        return None
+    shift = lowered(config).row_shift(inputs.score_mod_args, _lengths(config, inputs))
+    if shift is None:
+        return lse
+    return lse + jax.lax.stop_gradient(jnp.broadcast_to(shift[..., 0], lse.shape))
 
 
 def zero_padded_rows(config: AttnConfig, inputs: AttnInputs, out, lse):
