@@ -8,8 +8,10 @@ H100 (cuDNN 9.19, b4 s4096 h16 d128, benchmarks/tune/score_mod_cost.py) the forw
 ran at 0.80-0.81x the plain call with ``s + 0.01 * (q - k)`` and 0.87-0.89x with
 ``s + 0.01 * k``. So the forward program computes the score without the row terms,
 the output and every gradient are unchanged (the backward recomputes the same
-program and reads the same LSE), and only the LSE differs by r: `row_terms` says
-what to add back where an LSE leaves the backend (`cudnn_flex.with_row_shift`).
+program from the same LSE), and only the LSE differs by r. The cudnn kernels add r
+to the LSE they return and take it off again before the backward (`cudnn.forward`,
+`cudnn.backward`): r holds the call's constants too (a context-parallel block's key
+offset), so only LSEs with r added back merge across blocks.
 
 The analysis is linear algebra on the program text: sums, differences, negations
 and products with constants or per-(batch, head, query) inputs are expanded into

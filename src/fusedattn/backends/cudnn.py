@@ -279,14 +279,19 @@ def _operands(config: AttnConfig, inputs: AttnInputs):
 
 
 def forward(config: AttnConfig, inputs: AttnInputs, training: bool):
-    """(out, fp32 lse [b, h_q, s_q] when training); ``inputs.rng`` is raw bits."""
+    """(out, fp32 lse [b, h_q, s_q] when training); ``inputs.rng`` is raw bits. The LSE
+    is the score_mod's own: query-only terms a lowered program leaves out (`flex_hoist`)
+    are added back, so LSEs of calls with other offsets (context-parallel blocks) merge."""
     out, stats = _forward_call(static_call(config), _operands(config, inputs),
                                aux_arrays(config, inputs), training, _flex_inputs(config, inputs))
-    return out, (None if stats is None else lse_from_stats(config, stats))
+    if stats is None:
+        return out, None
+    return out, _row_shifted(config, inputs, lse_from_stats(config, stats), 1.0)
 
 
 def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
     """Gradients of q, k, v (as packed as the inputs), bias and softmax_offset."""
+    lse = _row_shifted(config, inputs, lse, -1.0)  # the program's own, as cuDNN recomputes
     stats = jnp.swapaxes(lse, 1, 2) if config.is_packed else lse
     d_q, d_k, d_v, d_bias, d_sink = _backward_call(
         static_call(config), _operands(config, inputs), aux_arrays(config, inputs), out, stats, d_out,
@@ -311,8 +316,7 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
     parts = flex_chunks(config)
 
     def call(c: AttnConfig, ci: AttnInputs):
-        out, lse = native_call.attention("cudnn", c, ci, need_lse=need_lse)
-        return out, cudnn_flex.with_row_shift(c, ci, lse)
+        return native_call.attention("cudnn", c, ci, need_lse=need_lse)
 
     def native(i):
         return causal_chunks.attention(config, i, parts, call) if parts else call(config, i)
@@ -333,6 +337,13 @@ def flex_chunks(config: AttnConfig) -> Tuple[causal_chunks.Chunk, ...]:
     if any(BACKEND.supports(ch.config) is not None for ch in parts):
         return ()
     return parts
+
+
+def _row_shifted(config: AttnConfig, inputs: AttnInputs, lse, sign: float):
+    if not cudnn_flex.is_flex(config):
+        return lse
+    shift = cudnn_flex.row_shift(config, inputs, lse.shape)
+    return lse if shift is None else lse + sign * shift
 
 
 def _flex_inputs(config: AttnConfig, inputs: AttnInputs) -> Tuple[jax.Array, ...]:

@@ -101,16 +101,14 @@ def static_inputs(config: AttnConfig, inputs: AttnInputs):
     return tuple(lowered(config).evaluate(inputs.score_mod_args, _lengths(config, inputs)))
 
 
-def with_row_shift(config: AttnConfig, inputs: AttnInputs, lse):
-    """The LSE of the score_mod itself from the one cuDNN returns: the query-only terms
-    the forward program leaves out (`flex_hoist`) added back (no gradient, as every
-    LSE fusedattn returns)."""
-    if lse is None:
-        return None
+def row_shift(config: AttnConfig, inputs: AttnInputs, shape):
+    """The query-only terms the forward program leaves out (`flex_hoist`), as an fp32
+    array of the LSE's `shape` [b, h_q, s_q] (None: none left out): the score_mod's
+    LSE is cuDNN's plus this. No gradient (nor has any LSE fusedattn returns)."""
     shift = lowered(config).row_shift(inputs.score_mod_args, _lengths(config, inputs))
     if shift is None:
-        return lse
-    return lse + jax.lax.stop_gradient(jnp.broadcast_to(shift[..., 0], lse.shape))
+        return None
+    return jax.lax.stop_gradient(jnp.broadcast_to(shift[..., 0], shape))
 
 
 def zero_padded_rows(config: AttnConfig, inputs: AttnInputs, out, lse):
