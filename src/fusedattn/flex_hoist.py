@@ -31,9 +31,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 # "s", "k", "aN", or "vN" for an instruction the expansion does not look into)
 Term = Tuple[float, Tuple[str, ...], str]
 
-_LINEAR = ("add", "sub", "neg", "mul", "id")
-
-
 def _parse(lines: Sequence[str]) -> List[Tuple[str, List[str]]]:
     return [(line.split(":")[0], line.split(":")[1].split(",")) for line in lines]
 

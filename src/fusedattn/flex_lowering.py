@@ -531,7 +531,7 @@ def _hoist_row_terms(pf: _Program, pb: _Program):
     if not terms:
         return (), ""
     pf.lines = _prune(lines, result)
-    unused = flex_hoist.unused_inputs(0, len(pf.inputs), pf.lines)
+    unused = flex_hoist.unused_inputs(0, len(pf.inputs), pf.lines, pb.lines)
     if unused:  # e.g. a query offset that only the hoisted terms read
         kept = [i for i in range(len(pf.inputs) + len(pb.inputs)) if i not in unused]
         mapping = {f"a{old}": f"a{new}" for new, old in enumerate(kept)}
