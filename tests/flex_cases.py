@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fusedattn import score_mods
+from fusedattn import flex_interpreter, score_mods
 
 
 def _slopes(h, b, s):
@@ -71,3 +71,12 @@ MODS = {
                           lambda b, h, q, k: (k <= q) | (k < 8), _none, None),
 }
 LOWERED = sorted(n for n, m in MODS.items() if m[3] is None)
+
+
+def program_scores(low, score, q_idx, kv_idx, inputs, args):
+    """What a lowered forward program computes, plus the query-only terms it leaves out
+    (fusedattn.flex_hoist; the LSE gets them back): the score_mod's own values, float64."""
+    got = flex_interpreter.interpret(low.forward, score, q_idx, kv_idx,
+                                     [np.asarray(x) for x in inputs])
+    shift = low.row_shift(args, ())
+    return got + (0.0 if shift is None else np.asarray(shift, np.float64))

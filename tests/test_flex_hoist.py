@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fusedattn import flex_interpreter, flex_lowering
+import flex_cases as fc
+from fusedattn import flex_lowering
 from fusedattn.config import AttnConfig
 from fusedattn.score_mods import Masked
 
@@ -27,10 +28,7 @@ def _check_equal(config, low, mod, args=(), mask_mod=None):
     rng = np.random.default_rng(0)
     score = rng.standard_normal((B, H, S, S))
     q_idx, kv_idx = np.arange(S).reshape(1, 1, S, 1), np.arange(S).reshape(1, 1, 1, S)
-    inputs = [np.asarray(x) for x in low.evaluate(args, ())]
-    got = flex_interpreter.interpret(low.forward, score, q_idx, kv_idx, inputs)
-    shift = low.row_shift(args, ())
-    got = got + (0.0 if shift is None else np.asarray(shift, np.float64))
+    got = fc.program_scores(low, score, q_idx, kv_idx, low.evaluate(args, ()), args)
     f = flex_lowering.masked_score_mod(config, mod, mask_mod)
     batch, head = jnp.arange(B).reshape(B, 1, 1, 1), jnp.arange(H).reshape(1, H, 1, 1)
     want = np.asarray(f(jnp.asarray(score, jnp.float32), batch, head, jnp.asarray(q_idx),

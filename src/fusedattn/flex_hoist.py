@@ -27,22 +27,16 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .flex_program import _fmt, parse_lines
+
 # (coefficient, factors (static input tokens "aN", sorted), atom token: "1", "q",
 # "s", "k", "aN", or "vN" for an instruction the expansion does not look into)
 Term = Tuple[float, Tuple[str, ...], str]
 
-def _parse(lines: Sequence[str]) -> List[Tuple[str, List[str]]]:
-    return [(line.split(":")[0], line.split(":")[1].split(",")) for line in lines]
-
-
-def _fmt(value: float) -> str:
-    return "c" + repr(float(value))
-
-
 class _Hoister:
     def __init__(self, lines: Sequence[str], shapes: Dict[str, Tuple[int, int, int, int]]):
         self.lines = list(lines)
-        self.parsed = _parse(lines)
+        self.parsed = parse_lines(lines)
         self.shapes = shapes  # static input token -> its [b|1, h|1, s_q|1, s_kv|1] shape
 
     def per_row(self, token: str) -> bool:
@@ -166,12 +160,12 @@ def describe(terms: Sequence[Term]) -> str:
 
 def tokens(lines: Sequence[str]) -> List[str]:
     """Every operand token of a program."""
-    return [a for _, args in _parse(lines) for a in args]
+    return [a for _, args in parse_lines(lines) for a in args]
 
 
 def rename_inputs(lines: Sequence[str], mapping: Dict[str, str]) -> List[str]:
     """The program with static input tokens renamed (``aN`` -> mapping[``aN``])."""
-    return [f"{op}:{','.join(mapping.get(a, a) for a in args)}" for op, args in _parse(lines)]
+    return [f"{op}:{','.join(mapping.get(a, a) for a in args)}" for op, args in parse_lines(lines)]
 
 
 def unused_inputs(first: int, count: int, *programs: Sequence[str]) -> Optional[List[int]]:

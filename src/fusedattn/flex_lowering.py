@@ -47,7 +47,7 @@ from jax.extend.core import Literal
 
 from . import flex_hoist
 from .config import AttnConfig
-from .flex_program import Unsupported, _flatten, _is_int, _live, _Program
+from .flex_program import Unsupported, _flatten, _is_int, _live, _Program, parse_lines
 from .score_mods import Masked
 
 __all__ = ["Lowered", "Unsupported", "lower", "masked_score_mod"]
@@ -226,7 +226,7 @@ def _hoist_row_terms(pf: _Program, pb: _Program):
 def _prune(lines: List[str], result: str) -> List[str]:
     """The instructions `result` needs, renumbered, ending with it (an `id` when the
     result is not an instruction of its own)."""
-    parsed = [(line.split(":")[0], line.split(":")[1].split(",")) for line in lines]
+    parsed = parse_lines(lines)
     needed, stack = set(), [result]
     while stack:
         t = stack.pop()
@@ -245,7 +245,7 @@ def _prune(lines: List[str], result: str) -> List[str]:
 def _read_score_through_forward(forward: _Program, bprop: _Program) -> None:
     """A bprop that reads the score itself reads it through an `id` the forward makes
     first (cuDNN's engines refuse a bprop that reads the raw score)."""
-    if not any("s" in line.split(":")[1].split(",") for line in bprop.lines):
+    if "s" not in flex_hoist.tokens(bprop.lines):
         return
 
     def shift(token, prefix):
@@ -270,7 +270,7 @@ def _source(p: _Program, var):
 
 def _constant_times_gradient(lines: List[str]) -> bool:
     """Whether a bprop program reads only the gradient and constants."""
-    return all(a == "g" or a[0] in "cv" for line in lines for a in line.split(":")[1].split(","))
+    return all(a == "g" or a[0] in "cv" for a in flex_hoist.tokens(lines))
 
 
 def _input_shape(p: _Program, var) -> Tuple[int, int, int, int]:

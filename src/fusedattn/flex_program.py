@@ -40,6 +40,11 @@ def _fmt(value: float) -> str:
     return "c" + repr(float(value))
 
 
+def parse_lines(lines: List[str]) -> List[Tuple[str, List[str]]]:
+    """(op, operands) of each instruction of a program's text."""
+    return [(line.split(":")[0], line.split(":")[1].split(",")) for line in lines]
+
+
 @dataclasses.dataclass
 class _Eqn:
     """A jaxpr equation with nested calls inlined (vars renamed to the outer ones)."""
