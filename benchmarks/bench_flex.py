@@ -44,7 +44,7 @@ CASES = {
 }
 
 # Query chunk counts tried for causal cases (FUSEDATTN_FLEX_CAUSAL_CHUNKS), beside the
-# default (4 at this shape): one call, and 8 chunks.
+# default (4 at this shape): one call, and 8 chunks; a mask_mod's case tries one call.
 CHUNKS = (1, 8)
 
 
@@ -144,11 +144,12 @@ def main():
             "fusedattn-cudnn-plain": lambda q, k, v, mk=mask:
                 fusedattn.fused_attn(q, k, v, mask=mk, backend="cudnn"),
         }
-        if mask == "causal":  # the causal score_mod in query chunks (fusedattn.causal_chunks)
-            for n in CHUNKS:
-                # a function of its own: jit would reuse the unchunked trace of the same one
-                impls[f"fusedattn-cudnn-flex-chunks{n}"] = (
-                    lambda q, k, v, f=impls["fusedattn-cudnn-flex"]: f(q, k, v))
+        # The causal score_mod in query chunks (fusedattn.causal_chunks), a mask_mod in
+        # the chunks its blocks give (fusedattn.mask_chunks, off with chunks1).
+        for n in CHUNKS if mask == "causal" else (1,) if mask_mod is not None else ():
+            # a function of its own: jit would reuse the unchunked trace of the same one
+            impls[f"fusedattn-cudnn-flex-chunks{n}"] = (
+                lambda q, k, v, f=impls["fusedattn-cudnn-flex"]: f(q, k, v))
         for mode in ("fwd", "fwd+bwd"):
             row = {"case": name, "mode": mode}
             flops = cfg.flops(backward=mode == "fwd+bwd")

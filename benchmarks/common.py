@@ -86,7 +86,7 @@ def warm_into(calls: Dict[str, Tuple[Callable, tuple]], name: str, fn: Callable,
         calls[name] = (warmed(fn, *args), args)
         return None
     except Exception as e:  # noqa: BLE001
-        text = str(e).splitlines()[0][:200] if str(e) else ""
+        text = " ".join(str(e).split())[:400]  # (the reason follows the first line)
         return f"{type(e).__name__}: {text}"
 
 

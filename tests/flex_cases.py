@@ -54,6 +54,8 @@ MODS = {
                      None, _none, None),
     "quadratic_distance": (lambda s, b, h, q, k: s - 1e-3 * (q - k) ** 2, None, _none, None),
     "clip": (lambda s, b, h, q, k: jnp.clip(s, -2.0, 2.0), None, _none, None),
+    # floor division of a signed distance: the fp32 quotient's floor
+    "bucketed_distance": (lambda s, b, h, q, k: s - 0.1 * ((q - k) // 16), None, _none, None),
     # a mask written inside the score_mod itself, not as a mask_mod
     "masked_inside": (lambda s, b, h, q, k: jnp.where(k <= q, s + 0.05 * (q - k), -jnp.inf),
                       None, _none, None),
@@ -65,8 +67,12 @@ MODS = {
     "prefix_lm": (None, lambda b, h, q, k: (k <= q) | (k < 16), _none, None),
     "window_plus_sink": (None, lambda b, h, q, k: ((k <= q) & (q - k < 24)) | (k < 4), _none, None),
     "strided": (None, lambda b, h, q, k: (q - k) % 3 == 0, _none, None),
+    # documents of 64 positions: int32 division of the indices
+    "document_blocks": (None, lambda b, h, q, k: q // 64 == k // 64, _none, None),
     "document": (None, lambda b, h, q, k, seg: seg[b, q] == seg[b, k], _segments, "gather"),
     # both
+    "relpos_documents": (lambda s, b, h, q, k: s + 0.05 * (q - k),
+                         lambda b, h, q, k: q // 64 == k // 64, _none, None),
     "softcap_prefix_lm": (lambda s, b, h, q, k: 20.0 * jnp.tanh(s / 20.0),
                           lambda b, h, q, k: (k <= q) | (k < 8), _none, None),
 }

@@ -116,6 +116,24 @@ def test_equal_lambdas_share_a_key_and_different_ones_do_not():
     assert tanh != sigmoid
 
 
+@pytest.mark.parametrize("name", fc.LOWERED)
+def test_a_lowering_inside_a_callers_jit_is_the_same_program(name):
+    """Constants fold eagerly while a jit traces too (else they became static inputs:
+    another program, another graph, and a softcap's bprop form cuDNN refuses)."""
+    config, _ = _config(name)
+    want = flex_lowering.lower(config, config.score_mod)
+    got = []
+    jax.jit(lambda x: got.append(flex_lowering.lower(config, config.score_mod)) or x)(1.0)
+    assert (got[0].forward, got[0].bprop, got[0].input_shapes) == (
+        want.forward, want.bprop, want.input_shapes)
+
+
+def test_softcap_derivative_is_cudnns_tanh_bwd_with_the_gradient_first():
+    low = flex_lowering.lower(_config_with(fc.MODS["softcap_scaled"][0]),
+                              fc.MODS["softcap_scaled"][0])
+    assert low.bprop.startswith("mul:g,c30.0|tanh_bwd:v0,w")
+
+
 def _config_with(mod):
     q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.bfloat16)
     return build_call(q, q, q, mask="causal", score_mod=mod)[0]

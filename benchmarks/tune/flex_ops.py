@@ -12,6 +12,7 @@ from fusedattn.config import AttnConfig
 
 BASE = AttnConfig(batch=2, s_q=256, s_kv=256, h_q=4, h_kv=4, d_qk=64, d_v=64, dtype="bfloat16",
                   scale=0.125)
+SOFTCAP = "div:s,c30.0|tanh:v0|mul:c30.0,v1"
 PROBES = {  # name -> (forward program, bprop program)
     "identity": ("id:s", "id:g"),
     "relpos": ("sub:q,k|add:s,v0", "id:g"),
@@ -66,6 +67,20 @@ PROBES = {  # name -> (forward program, bprop program)
     "window-both-lowered": ("add.i:q,c32|ge:v0,k|add.i:k,c65|gt:v2,q|sel:v1,s,c-inf|"
                             "sel:v3,v4,c-inf", "id:g"),
     "per-batch-int-length": ("lt:k,a0|sel:v0,s,c-inf", "id:g", "2.1.1.1i"),
+    # Nonlinear bprops through cuDNN's own derivative ops (dy, x) -> dy * f'(x).
+    "softcap-tanh-bwd-g-first": (SOFTCAP, "mul:g,c30.0|tanh_bwd:v0,w0|div:v1,c30.0"),
+    "softcap-tanh-bwd-g": (SOFTCAP, "tanh_bwd:g,w0"),
+    "softcap-tanh-bwd-const": (SOFTCAP, "tanh_bwd:c30.0,w0|div:v0,c30.0|mul:g,v1"),
+    "softcap-tanh-bwd-one": (SOFTCAP, "tanh_bwd:c1.0,w0|mul:g,v0"),
+    "sigmoid-gate-chain": ("id:s|sigmoid:s|mul:s,v1",
+                           "sub:c1.0,w1|mul:w1,v0|mul:w0,v1|add:w1,v2|mul:g,v3"),
+    "sigmoid-gate-bwd-g": ("id:s|sigmoid:s|mul:s,v1",
+                           "mul:g,w0|sigmoid_bwd:v0,w0|mul:g,w1|add:v1,v2"),
+    "sigmoid-gate-bwd-one": ("id:s|sigmoid:s|mul:s,v1",
+                             "sigmoid_bwd:w0,w0|add:w1,v0|mul:g,v1"),
+    "doc-mask-int-div-64": ("div.i:q,c64|div.i:k,c64|eq:v0,v1|sel:v2,s,c-inf", "id:g"),
+    "doc-mask-floor": ("div:q,c64.0|floor:v0|div:k,c64.0|floor:v2|eq:v1,v3|sel:v4,s,c-inf",
+                       "id:g"),
 }
 
 

@@ -41,6 +41,9 @@ const std::map<std::string, OpInfo, std::less<>>& op_table() {
       {"or", {PointwiseMode_t::LOGICAL_OR, 2, true}},
       {"not", {PointwiseMode_t::LOGICAL_NOT, 1, true}},
       {"sel", {PointwiseMode_t::BINARY_SELECT, 3, false}},
+      // (dy, x) -> dy * f'(x), the frontend's own Softcap bprop form.
+      {"tanh_bwd", {PointwiseMode_t::TANH_BWD, 2, false}},
+      {"sigmoid_bwd", {PointwiseMode_t::SIGMOID_BWD, 2, false}},
   };
   return table;
 }

@@ -10,8 +10,11 @@
 // inputs' text marks it), vN (the result
 // of instruction N), wN (the forward program's value N, bprop only), c<float> (a
 // constant). An arithmetic op named with the suffix ".i" (add.i) computes in int32,
-// its constants int32 too: the form of cuDNN's own mask offsets (the frontend's
-// diagonal band mask adds to its int32 indices), which its engines recognise.
+// its constants int32 too (div.i truncates, as int32 division does): the form of
+// cuDNN's own mask offsets (the frontend's diagonal band mask adds to its int32
+// indices), which its engines recognise.
+// tanh_bwd / sigmoid_bwd take (dy, x) and give dy * f'(x) (cuDNN's TANH_BWD /
+// SIGMOID_BWD, the frontend's soft-capping bprop form).
 // The last instruction is the result. The backward graph runs the
 // forward program first (cuDNN recomputes the scores); the bprop reads its values
 // through wN (cuDNN's engines take a bprop built on the forward's values, as the

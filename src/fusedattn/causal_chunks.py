@@ -91,6 +91,16 @@ def reason(config: AttnConfig, n: int) -> Optional[str]:
         (config.causal, "no causal mask: every key is visible to every query"),
         (config.s_kv >= config.s_q, "s_kv < s_q"),
         (config.s_q % n == 0, f"s_q={config.s_q} is not a multiple of {n} chunks"),
+    )
+    for ok, why in checks:
+        if not ok:
+            return why
+    return call_reason(config)
+
+
+def call_reason(config: AttnConfig) -> Optional[str]:
+    """Why no config of this kind splits into calls of its rows (None: it can)."""
+    checks = (
         (config.qkv_packing == "separate", "packed qkv / kv"),
         (config.sequence == "dense", f"{config.sequence} sequences"),
         (not config.has_dropout, "dropout: the chunks would draw other masks than one call"),

@@ -16,7 +16,10 @@ _NP = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
        "floor": np.floor, "ceil": np.ceil, "recip": lambda x: 1.0 / x, "id": lambda x: x,
        "eq": np.equal, "ne": np.not_equal, "gt": np.greater, "ge": np.greater_equal,
        "lt": np.less, "le": np.less_equal, "and": np.logical_and, "or": np.logical_or,
-       "not": np.logical_not, "sel": lambda c, a, b: np.where(c, a, b)}
+       "not": np.logical_not, "sel": lambda c, a, b: np.where(c, a, b),
+       "tanh_bwd": lambda dy, x: dy * (1.0 - np.tanh(x) ** 2),
+       "sigmoid_bwd": lambda dy, x: dy * np.exp(-x) / (1.0 + np.exp(-x)) ** 2,
+       "div.i": lambda a, b: np.trunc(a / b)}
 
 
 def interpret(program: str, score, q_idx, kv_idx, inputs, grad=None, forward: str = "") -> np.ndarray:
@@ -44,6 +47,6 @@ def _run_values(program, score, q_idx, kv_idx, inputs, grad, fwd_values):
         for line in program.split("|") if program else []:
             op, args = line.split(":")
             # int32 ops (".i") compute the same values here: indices and offsets are
-            # small integers, exact in float64.
-            values.append(ops[op.split(".")[0]](*(operand(t) for t in args.split(","))))
+            # small integers, exact in float64 (division truncates, as int32's does).
+            values.append(ops.get(op, ops[op.split(".")[0]])(*(operand(t) for t in args.split(","))))
     return values

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from . import flex_hoist
+from . import flex_derivative, flex_hoist
 from .config import AttnConfig
 from .flex_program import Unsupported, _flatten, _is_int, _live, _Program, parse_lines
 from .score_mods import Masked
@@ -128,9 +128,11 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
     def derivative(score, batch, head, q_idx, kv_idx, *rest):
         if unmasked is None:
             return jnp.ones_like(score)
-        mod = lambda s: unmasked(s, batch, head, q_idx, kv_idx, *rest[:n_args])  # noqa: E731
+        mod = lambda s: fused(s, batch, head, q_idx, kv_idx, *rest[:n_args])  # noqa: E731
         return jax.grad(lambda s: jnp.sum(mod(s)))(score)
     try:
+        if unmasked is not None:
+            fused = flex_derivative.with_fused_derivatives(unmasked, specs[:5 + n_args])
         fwd = jax.make_jaxpr(f)(*specs)
         bwd = jax.make_jaxpr(derivative)(*specs)
     except Exception as e:  # a function that does not trace: say so
@@ -149,7 +151,7 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         result = p.lower(_live(eqns, [out]), out, dict(zip((invars[0], invars[3], invars[4]),
                                                            ("s", "q", "k"))))
         if is_bprop:
-            result = p.emit("mul", "g", result)
+            result = flex_derivative.times_gradient(list(p.lines), p.emit, result)
         p.lines = _prune(p.lines, result)
         return p
 

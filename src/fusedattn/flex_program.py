@@ -9,12 +9,17 @@ import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from .flex_derivative import FUSED_BWD
+
 _INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
            "custom_vjp_call_jaxpr", "remat", "checkpoint")  # calls whose body is inlined
+# jit calls kept whole: cuDNN has one op for what their bodies spell out.
+_OPAQUE = ("floor_divide",) + tuple(FUSED_BWD)
 _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh",
           "logistic": "sigmoid", "erf": "erf", "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin",
           "cos": "cos", "tan": "tan", "floor": "floor", "ceil": "ceil"}
@@ -78,7 +83,10 @@ def _flatten(jaxpr, rename: Dict[object, object], consts: Dict[object, np.ndarra
         ins = [name(v) for v in eqn.invars]
         sub = next((eqn.params[p] for p in ("jaxpr", "call_jaxpr", "fun_jaxpr")
                     if p in eqn.params), None)
-        if eqn.primitive.name in _INLINE and sub is not None:
+        opaque = eqn.params.get("name") in _OPAQUE and all(
+            jnp.issubdtype(v.aval.dtype, jnp.integer) for v in eqn.invars) != (
+            eqn.params.get("name") != "floor_divide")  # floor_divide: integers only
+        if eqn.primitive.name in _INLINE and sub is not None and not opaque:
             inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
             inner_rename = dict(zip(inner.invars, ins))
             for var, const in zip(inner.constvars, getattr(sub, "consts", ())):
@@ -123,6 +131,7 @@ class _Program:
         self.first_input = first_input
         self.value: Dict[object, str] = {}     # dynamic var -> operand
         self.ints = {"q", "k"}                  # operands that are int32 in the graph
+        self.nonneg = {"q", "k"}                # operands known to be >= 0
         self.is_bool: Dict[object, bool] = {}
         self.const: Dict[object, float] = {v: float(c.reshape(()))
                                            for v, c in consts.items() if c.size == 1}
@@ -146,6 +155,10 @@ class _Program:
         name = f"v{len(self.lines) - 1}"
         if op.endswith(".i"):
             self.ints.add(name)
+        known = [a in self.nonneg or a[0] == "c" and float(a[1:]) >= 0 for a in args]
+        if base == "abs" or base in ("add", "mul", "div", "min") and all(known) \
+                or base == "max" and any(known):
+            self.nonneg.add(name)
         return name
 
     def emit_arith(self, op: str, integer: bool, *args: str) -> str:
@@ -227,8 +240,11 @@ class _Program:
             return float(np.asarray(values[0]).reshape(()))
         try:
             dtypes = [v.aval.dtype for v in eqn.invars]
-            out = eqn.primitive.bind(*[jnp.asarray(x, d) for x, d in zip(values, dtypes)],
-                                     **eqn.params)
+            # Eagerly, also while a caller's jit traces: else the value is a tracer, and
+            # the constant becomes a static input (another program text, another graph).
+            with jax.ensure_compile_time_eval():
+                out = eqn.primitive.bind(*[jnp.asarray(x, d) for x, d in zip(values, dtypes)],
+                                         **eqn.params)
             return float(np.asarray(out).reshape(()))
         except Exception:  # not elementwise on scalars: XLA evaluates it
             return None
@@ -249,6 +265,11 @@ class _Program:
                 raise Unsupported(f"score_mod applies bitwise {name!r} to integers; cuDNN's "
                                   f"logical operations take predicates only")
             return self.emit(_LOGICAL[name], *(a(i) for i in range(len(ins))))
+        if name in ("pjit", "jit"):  # the calls `_flatten` keeps whole (_OPAQUE)
+            call = eqn.params["name"]
+            if call in FUSED_BWD:
+                return self.emit(FUSED_BWD[call], a(0), a(1))
+            return self._floor_divide(a(0), a(1))
         if name == "div":
             q = self.emit("div", a(0), a(1))
             return self._trunc(q) if integer else q
@@ -321,6 +342,15 @@ class _Program:
         if isinstance(atom, Literal):
             return np.asarray(atom.val).dtype == np.bool_
         return self.is_bool.get(atom, atom.aval.dtype == jnp.bool_)
+
+    def _floor_divide(self, x: str, y: str) -> str:
+        """Integer x // y: cuDNN's int32 division where it equals the floor (x >= 0,
+        y a positive constant: a document id from a position), else the fp32 quotient's
+        floor (exact while |x|, |y| < 2**24: the quotient cannot round across an
+        integer); not JAX's sign corrections, a dozen instructions per division."""
+        if x in self.nonneg and y[0] == "c" and float(y[1:]) > 0 and float(y[1:]).is_integer():
+            return self.emit("div.i", x, f"c{int(float(y[1:]))}")
+        return self.emit("floor", self.emit("div", x, y))
 
     def _trunc(self, x: str) -> str:
         """Round toward zero (integer division and float -> int casts)."""

@@ -71,14 +71,31 @@ def test_lowered_mod_matches_the_oracle(name, variant):
 @pytest.mark.parametrize("name", fc.LOWERED)
 def test_causal_mods_in_query_chunks_match_the_oracle(name, monkeypatch):
     """fusedattn.causal_chunks: 4 chunks of 64 queries, GQA, bottom-right over longer kv.
-    A masking mod's chunk may have no cuDNN engine (prefix-LM's first chunk: three
-    masks; a mask inside the score_mod beside the chunk's), and then the call runs
-    whole, as checked here too (H100, cuDNN 9.19)."""
+    A chunk may have no cuDNN engine (prefix-LM's first chunk: three masks; a mask
+    inside the score_mod beside the chunk's; a scaled softcap), and then the call runs
+    whole, as checked here too (H100, cuDNN 9.19); the refusal must be cuDNN's."""
     monkeypatch.setenv(causal_chunks.ENV_CHUNKS, "4")
     plan = _check_against_the_oracle(name, "chunks", dict(h_kv=2, mask="causal_bottom_right",
                                                           s_kv=320))
-    if fc.MODS[name][1] is None and name != "masked_inside":
-        assert "4 query chunks of 64 rows" in str(plan), str(plan)
+    if "4 query chunks of 64 rows" not in str(plan):  # then cuDNN refused a chunk's graph
+        config, _ = build_call(*(jnp.zeros(s, jnp.bfloat16) for s in
+                                 ((2, 256, 4, 64), (2, 320, 2, 64), (2, 320, 2, 64))),
+                               **dict(ac.build(_case(name)).options(), mask="causal_bottom_right"))
+        refusals = [cudnn.BACKEND.supports(ch.config) for ch in causal_chunks.chunks(config, 4)]
+        assert any(r and r.startswith("cuDNN:") for r in refusals), (str(plan), refusals)
+        print(name, "chunks refused by cuDNN:", [r and r[:150] for r in refusals])
+
+
+@pytest.mark.parametrize("name", ["document_blocks", "relpos_documents", "prefix_lm",
+                                  "window_plus_sink", "softcap_prefix_lm"])
+def test_mask_mods_in_block_chunks_match_the_oracle(name, monkeypatch):
+    """fusedattn.mask_chunks: chunks of 64 rows on the keys their rows see (documents of
+    64: one batched plain call, or with a score_mod one call each without the mask),
+    with GQA."""
+    monkeypatch.setattr(causal_chunks, "MIN_CHUNK_ROWS", 64)
+    plan = _check_against_the_oracle(name, "mask chunks", dict(h_kv=2))
+    if name in ("document_blocks", "relpos_documents"):
+        assert "mask_mod in 4 query chunks of 64 rows" in str(plan), str(plan)
 
 
 def _check_against_the_oracle(name, variant, change):

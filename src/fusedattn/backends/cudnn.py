@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import causal_chunks, fp8
+from .. import causal_chunks, fp8, mask_chunks
 from ..config import AttnConfig
 from ..score_mods import Alibi, SoftCap
 from . import cudnn_flex, cudnn_probe, native, native_call
@@ -224,11 +224,13 @@ class _CudnnBackend:
         return attention_with_lse(config, inputs, need_lse=False)[0]
 
     def details(self, config: AttnConfig) -> str:
-        """For explain(): a lowered score_mod's programs, query chunks of a causal one,
+        """For explain(): a lowered score_mod's programs, its query chunks (causal, or a
+        mask_mod that hides blocks),
         and the execution plan each graph runs and how it was picked."""
         parts = flex_chunks(config)
         lines = [cudnn_flex.describe(config)] if cudnn_flex.is_flex(config) else []
-        lines += [causal_chunks.describe(config, parts)] if parts else []
+        if parts:
+            lines.append((causal_chunks if config.causal else mask_chunks).describe(config, parts))
         if cudnn_probe.assumed() is None:
             lines += [probe(ch.config).describe() for ch in parts[:1]] or [probe(config).describe()]
         return "\n".join(filter(None, lines))
@@ -319,7 +321,9 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
         return native_call.attention("cudnn", c, ci, need_lse=need_lse)
 
     def native(i):
-        return causal_chunks.attention(config, i, parts, call) if parts else call(config, i)
+        if not parts:
+            return call(config, i)
+        return (causal_chunks if config.causal else mask_chunks).attention(config, i, parts, call)
     if cudnn_flex.float_args(config):
         out, lse = cudnn_flex.with_arg_gradients(native, config, inputs)
     else:
@@ -328,12 +332,18 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
 
 
 def flex_chunks(config: AttnConfig) -> Tuple[causal_chunks.Chunk, ...]:
-    """The query chunks a causal lowered score_mod runs in (`fusedattn.causal_chunks`):
-    none unless chunking is on and cuDNN runs every chunk's config."""
-    n = causal_chunks.count(config)
-    if not cudnn_flex.is_flex(config) or causal_chunks.reason(config, n) is not None:
+    """The query chunks a lowered score_mod runs in: causal (`fusedattn.causal_chunks`)
+    or a mask_mod's blocks (`fusedattn.mask_chunks`); none unless chunking is on and
+    cuDNN runs every chunk's config."""
+    if not cudnn_flex.is_flex(config):
         return ()
-    parts = causal_chunks.chunks(config, n)
+    n = causal_chunks.count(config)
+    if causal_chunks.reason(config, n) is None:
+        parts = causal_chunks.chunks(config, n)
+    elif mask_chunks.reason(config) is None:
+        parts = mask_chunks.chunks(config)
+    else:
+        return ()
     if any(BACKEND.supports(ch.config) is not None for ch in parts):
         return ()
     return parts

@@ -1,0 +1,106 @@
+"""A score_mod's derivative in the forms cuDNN's backward engines take.
+
+JAX differentiates ``tanh(x)`` into ``ct * (1 - tanh(x)**2)``: a bprop that
+applies tanh (or multiplies forward values into that chain) which cuDNN 9.19's
+engines refuse on H100, while they take the frontend's own soft-capping, whose
+bprop is one ``TANH_BWD(dy, x)`` on the forward's value ``x``
+(benchmarks/tune/flex_ops.py, the ``softcap-`` probes). So the derivative is
+traced with tanh re-bound to a `jax.custom_vjp` function whose backward calls a
+jitted function of a known name (`FUSED_BWD`); the lowering keeps that call
+whole and emits cuDNN's derivative op for it (``tanh_bwd:dy,x``). Anything XLA evaluates (a static
+value) runs the same jitted function, so the values are JAX's own either way.
+
+The rest of the function is re-evaluated equation by equation, nested jit calls
+included; the derivative is still JAX's, only tanh's rule is replaced by an
+equal one.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Sequence
+
+import jax
+from jax import lax
+from jax.extend.core import Literal
+
+
+def fusedattn_tanh_bwd(dy, x):
+    t = lax.tanh(x)
+    return dy * (1.0 - t * t)
+
+
+_TANH_BWD = jax.jit(fusedattn_tanh_bwd)
+# jit name -> the program op (csrc/cuda/cudnn_flex.cc: cuDNN's TANH_BWD)
+FUSED_BWD = {"fusedattn_tanh_bwd": "tanh_bwd"}
+
+
+def _with_bwd(forward: Callable, bwd_fn: Callable) -> Callable:
+    fn = jax.custom_vjp(forward)
+    fn.defvjp(lambda x: (forward(x), x), lambda x, ct: (bwd_fn(ct, x),))
+    return fn
+
+
+# Not the sigmoid: cuDNN's engines take ``s * sigmoid(s)`` with SIGMOID_BWD in its bprop
+# and then compute dV wrong (H100, cuDNN 9.19: 50-170x relative error, dQ / dK right;
+# tests/gpu/test_flex_gpu.py, 2026-11-24), so its derivative stays JAX's own chain,
+# which the engines refuse (the call falls back). The op stays in the grammar for probes.
+_REPLACED = {"tanh": _with_bwd(lax.tanh, _TANH_BWD)}
+
+
+def _evaluate(jaxpr, consts: Sequence, args: Sequence):
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(atom):
+        return atom.val if isinstance(atom, Literal) else env[atom]
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        sub = eqn.params.get("jaxpr")
+        if eqn.primitive.name in _REPLACED:
+            outs = [_REPLACED[eqn.primitive.name](*ins)]
+        elif eqn.primitive.name in ("pjit", "jit") and sub is not None:
+            outs = _evaluate(sub.jaxpr, sub.consts, ins)
+        else:
+            bound = eqn.primitive.get_bind_params(eqn.params)  # (older JAX: with subfuns)
+            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+            outs = eqn.primitive.bind(*subfuns, *ins, **params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def times_gradient(lines: List[str], emit: Callable[..., str], result: str) -> str:
+    """The operand of ``g * result``, with g multiplied in where cuDNN takes it: a
+    derivative op's dy (``tanh_bwd:g*c,x``, the frontend's soft-capping form) reached
+    through sums and products; a plain ``mul:g,result`` for anything else. cuDNN's
+    engines refuse a derivative op on a constant dy (flex_ops.py, ``-const``)."""
+    parsed = [(line.split(":")[0], line.split(":")[1].split(",")) for line in lines]
+
+    def fused(t: str) -> bool:
+        if not t.startswith("v"):
+            return False
+        op, args = parsed[int(t[1:])]
+        return op in FUSED_BWD.values() or any(fused(a) for a in args)
+
+    def scaled(t: str) -> str:
+        if not fused(t):
+            return emit("mul", "g", t)
+        op, args = parsed[int(t[1:])]
+        if op in FUSED_BWD.values():
+            return emit(op, scaled(args[0]), args[1])
+        if op in ("add", "sub"):
+            return emit(op, scaled(args[0]), scaled(args[1]))
+        if op == "mul":
+            first = fused(args[0])
+            return emit("mul", scaled(args[0]) if first else args[0],
+                        args[1] if first else scaled(args[1]))
+        if op == "div" and fused(args[0]) and not fused(args[1]):
+            return emit("div", scaled(args[0]), args[1])
+        return emit("mul", "g", t)
+    return scaled(result)
+
+
+def with_fused_derivatives(fn: Callable, specs: Sequence) -> Callable:
+    """`fn` (traced at `specs`) with tanh differentiated into a call of `FUSED_BWD`;
+    the same values."""
+    closed = jax.make_jaxpr(fn)(*specs)
+    return lambda *args: _evaluate(closed.jaxpr, closed.consts, args)[0]
