@@ -11,8 +11,6 @@ import os
 import re
 import sys
 
-import jax
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_attention import _fa3, _inputs  # noqa: E402
 from common import step, time_interleaved, warmed  # noqa: E402
@@ -41,8 +39,8 @@ def main():
             with open(os.path.join(OUT, f"hlo_{name}_{mask}.txt"), "w") as f:
                 f.write(text)
             ops = re.findall(r'custom_call_target="([^"]+)"', text)
-            print(f"{mask} {name}: custom calls {ops}; fusions "
-                  f"{len(re.findall(r'= .*fusion\(', text))}", flush=True)
+            fusions = len(re.findall(r"= .*fusion\(", text))
+            print(f"{mask} {name}: custom calls {ops}; fusions {fusions}", flush=True)
         flops = 3.5 * 4 * B * H * S * S * D / (2 if causal else 1)
         for rep in range(3):
             times = time_interleaved(calls, rounds=15)

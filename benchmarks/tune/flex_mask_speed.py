@@ -15,8 +15,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_attention import _inputs  # noqa: E402
 from common import print_table, run_main, step, time_row, warm_into  # noqa: E402
 
+import jax.numpy as jnp  # noqa: E402
+
 import fusedattn  # noqa: E402
+from fusedattn import causal_chunks  # noqa: E402
 from fusedattn.config import AttnConfig  # noqa: E402
+
+os.environ[causal_chunks.ENV_CHUNKS] = "1"  # one call each: what cuDNN itself skips
 
 B, S, H, D = 4, 4096, 16, 128
 
@@ -25,10 +30,23 @@ def relpos(s, b, h, q, k):
     return s + 0.01 * (q - k)
 
 
+def mask_first(s, b, h, q, k):
+    """The causal select on the raw score first (where cuDNN's own mask sits), then the
+    score_mod: exact while the score_mod keeps -inf at -inf."""
+    return jnp.where(q >= k, s, -jnp.inf) + 0.01 * (q - k)
+
+
+def mask_first_and_last(s, b, h, q, k):
+    """As `mask_first`, and the mask again after the score_mod (exact for any)."""
+    return jnp.where(q >= k, mask_first(s, b, h, q, k), -jnp.inf)
+
+
 FORMS = {  # name -> fused_attn keyword arguments
     "plain causal": dict(mask="causal"),
     "mask_mod q >= k": dict(mask_mod=lambda b, h, q, k: q >= k),
     "relpos + causal": dict(mask="causal", score_mod=relpos),
+    "mask first, relpos": dict(score_mod=mask_first),
+    "mask, relpos, mask": dict(score_mod=mask_first_and_last),
     "relpos, no mask": dict(score_mod=relpos),
 }
 
@@ -42,6 +60,10 @@ def main():
         row = {"mode": mode}
         calls = {}
         for name, kw in FORMS.items():
+            if mode == "fwd":
+                plan = fusedattn.explain(q, k, v, backend="cudnn", **kw)
+                print(name, [line for line in str(plan).splitlines() if "lowered" in line],
+                      flush=True)
             fn = lambda q, k, v, kw=kw: fusedattn.fused_attn(q, k, v, backend="cudnn", **kw)  # noqa: E731
             why = warm_into(calls, name, *step(fn, mode, q, k, v, do))
             if why is not None:
