@@ -7,8 +7,10 @@ bprop is one ``TANH_BWD(dy, x)`` on the forward's value ``x``
 (benchmarks/tune/flex_ops.py, the ``softcap-`` probes). So the derivative is
 traced with tanh re-bound to a `jax.custom_vjp` function whose backward calls a
 jitted function of a known name (`FUSED_BWD`); the lowering keeps that call
-whole and emits cuDNN's derivative op for it (``tanh_bwd:dy,x``). Anything XLA evaluates (a static
-value) runs the same jitted function, so the values are JAX's own either way.
+whole and emits cuDNN's derivative op for it (``tanh_bwd:dy,x``). Anything XLA
+evaluates (a static value) runs the same jitted function, so the values are JAX's
+own either way. The sigmoid goes through tanh (``0.5 + 0.5 * tanh(x / 2)``), in the
+forward program too.
 
 The rest of the function is re-evaluated equation by equation, nested jit calls
 included; the derivative is still JAX's, only tanh's rule is replaced by an
@@ -16,7 +18,7 @@ equal one.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence
+from typing import Callable, List, Sequence, Tuple
 
 import jax
 from jax import lax
@@ -39,11 +41,14 @@ def _with_bwd(forward: Callable, bwd_fn: Callable) -> Callable:
     return fn
 
 
-# Not the sigmoid: cuDNN's engines take ``s * sigmoid(s)`` with SIGMOID_BWD in its bprop
-# and then compute dV wrong (H100, cuDNN 9.19: 50-170x relative error, dQ / dK right;
-# tests/gpu/test_flex_gpu.py, 2026-11-24), so its derivative stays JAX's own chain,
-# which the engines refuse (the call falls back). The op stays in the grammar for probes.
-_REPLACED = {"tanh": _with_bwd(lax.tanh, _TANH_BWD)}
+_tanh = _with_bwd(lax.tanh, _TANH_BWD)
+# The sigmoid as 0.5 + 0.5 * tanh(x / 2) (equal in fp32), so its derivative is TANH_BWD
+# too: cuDNN's engines take ``s * sigmoid(s)`` with SIGMOID_BWD in its bprop and then
+# compute dV wrong (H100, cuDNN 9.19: 50-170x relative error, dQ / dK right;
+# tests/gpu/test_flex_gpu.py, 2026-11-24). The forward program is traced from the same
+# rewritten function, so the bprop reads the forward's x / 2 (`REWRITES_FORWARD`).
+_REPLACED = {"tanh": _tanh, "logistic": lambda x: 0.5 + 0.5 * _tanh(0.5 * x)}
+REWRITES_FORWARD = ("logistic",)
 
 
 def _evaluate(jaxpr, consts: Sequence, args: Sequence):
@@ -99,8 +104,20 @@ def times_gradient(lines: List[str], emit: Callable[..., str], result: str) -> s
     return scaled(result)
 
 
-def with_fused_derivatives(fn: Callable, specs: Sequence) -> Callable:
-    """`fn` (traced at `specs`) with tanh differentiated into a call of `FUSED_BWD`;
-    the same values."""
+def with_fused_derivatives(fn: Callable, specs: Sequence) -> Tuple[Callable, bool]:
+    """`fn` (traced at `specs`) with tanh (and the sigmoid, through tanh) differentiated
+    into a call of `FUSED_BWD`, the same values; and whether the forward program must be
+    traced from it too (it calls a primitive of `REWRITES_FORWARD`)."""
     closed = jax.make_jaxpr(fn)(*specs)
-    return lambda *args: _evaluate(closed.jaxpr, closed.consts, args)[0]
+    return (lambda *args: _evaluate(closed.jaxpr, closed.consts, args)[0],
+            _calls(closed.jaxpr, REWRITES_FORWARD))
+
+
+def _calls(jaxpr, names) -> bool:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            return True
+        sub = eqn.params.get("jaxpr")
+        if eqn.primitive.name in ("pjit", "jit") and sub is not None and _calls(sub.jaxpr, names):
+            return True
+    return False

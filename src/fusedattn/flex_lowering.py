@@ -117,7 +117,6 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
           mask_mod: Optional[Callable] = None) -> Lowered:
     """The programs of `config`'s masks composed with score_mod / mask_mod (raises
     `Unsupported` with the reason)."""
-    f = masked_score_mod(config, score_mod, mask_mod)
     specs = _specs(config)
     # The bprop needs the score_mod's derivative only where a pair is visible: cuDNN
     # multiplies it into dS = P * (dP - D), and P is 0 wherever a mask removed the
@@ -131,8 +130,14 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         mod = lambda s: fused(s, batch, head, q_idx, kv_idx, *rest[:n_args])  # noqa: E731
         return jax.grad(lambda s: jnp.sum(mod(s)))(score)
     try:
+        forward_mod = score_mod
         if unmasked is not None:
-            fused = flex_derivative.with_fused_derivatives(unmasked, specs[:5 + n_args])
+            fused, rewrites = flex_derivative.with_fused_derivatives(unmasked,
+                                                                    specs[:5 + n_args])
+            if rewrites:  # the bprop reads the rewritten forward's values
+                forward_mod = dataclasses.replace(score_mod, score_mod=fused) \
+                    if isinstance(score_mod, Masked) else fused
+        f = masked_score_mod(config, forward_mod, mask_mod)
         fwd = jax.make_jaxpr(f)(*specs)
         bwd = jax.make_jaxpr(derivative)(*specs)
     except Exception as e:  # a function that does not trace: say so
