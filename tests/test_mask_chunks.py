@@ -34,6 +34,14 @@ def test_a_document_mask_runs_each_document_alone():
     assert "4 query chunks of 1024 rows" in mask_chunks.describe(config, parts)
 
 
+def test_documents_over_longer_keys_run_one_call_each():
+    """(keys past the queries: the [b, s, ...] -> [b*n, c, ...] reshape would not hold)"""
+    config = _config(lambda b, h, q, k: q // 1024 == k // 1024, s_kv=8192)
+    parts = mask_chunks.chunks(config)
+    assert [c.kv_rows for c in parts] == [(i * 1024, (i + 1) * 1024) for i in range(4)]
+    assert "4 of them see every pair" in mask_chunks.describe(config, parts)
+
+
 def test_a_prefix_lm_mask_runs_like_a_causal_one():
     parts = mask_chunks.chunks(_config(lambda b, h, q, k: (k <= q) | (k < 16)))
     assert [c.kv_rows for c in parts] == [(0, 1024), (0, 2048), (0, 3072), (0, 4096)]

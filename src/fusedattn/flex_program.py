@@ -18,8 +18,6 @@ from .flex_derivative import FUSED_BWD
 
 _INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
            "custom_vjp_call_jaxpr", "remat", "checkpoint")  # calls whose body is inlined
-# jit calls kept whole: cuDNN has one op for what their bodies spell out.
-_OPAQUE = ("floor_divide",) + tuple(FUSED_BWD)
 _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh",
           "logistic": "sigmoid", "erf": "erf", "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin",
           "cos": "cos", "tan": "tan", "floor": "floor", "ceil": "ceil"}
@@ -83,9 +81,9 @@ def _flatten(jaxpr, rename: Dict[object, object], consts: Dict[object, np.ndarra
         ins = [name(v) for v in eqn.invars]
         sub = next((eqn.params[p] for p in ("jaxpr", "call_jaxpr", "fun_jaxpr")
                     if p in eqn.params), None)
-        opaque = eqn.params.get("name") in _OPAQUE and all(
-            jnp.issubdtype(v.aval.dtype, jnp.integer) for v in eqn.invars) != (
-            eqn.params.get("name") != "floor_divide")  # floor_divide: integers only
+        call = eqn.params.get("name")
+        opaque = call in FUSED_BWD or call == "floor_divide" and all(
+            jnp.issubdtype(v.aval.dtype, jnp.integer) for v in eqn.invars)
         if eqn.primitive.name in _INLINE and sub is not None and not opaque:
             inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
             inner_rename = dict(zip(inner.invars, ins))
@@ -265,7 +263,7 @@ class _Program:
                 raise Unsupported(f"score_mod applies bitwise {name!r} to integers; cuDNN's "
                                   f"logical operations take predicates only")
             return self.emit(_LOGICAL[name], *(a(i) for i in range(len(ins))))
-        if name in ("pjit", "jit"):  # the calls `_flatten` keeps whole (_OPAQUE)
+        if name in ("pjit", "jit"):  # what `_flatten` keeps whole: one cuDNN op each
             call = eqn.params["name"]
             if call in FUSED_BWD:
                 return self.emit(FUSED_BWD[call], a(0), a(1))

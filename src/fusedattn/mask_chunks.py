@@ -135,7 +135,7 @@ def _diagonal(config: AttnConfig, parts: Tuple[Chunk, ...]) -> Optional[AttnConf
     (documents of one length, no score_mod): ``[b, n*c, ...]`` is ``[b*n, c, ...]``
     in bshd without a copy. None otherwise."""
     c = parts[0].config.s_q
-    if config.layout != "bshd" or any(
+    if config.layout != "bshd" or config.s_kv != config.s_q or any(
             ch.config.score_mod is not None or ch.q_rows != ch.kv_rows or
             ch.q_rows[1] - ch.q_rows[0] != c for ch in parts):
         return None

@@ -225,8 +225,8 @@ class _CudnnBackend:
 
     def details(self, config: AttnConfig) -> str:
         """For explain(): a lowered score_mod's programs, its query chunks (causal, or a
-        mask_mod that hides blocks),
-        and the execution plan each graph runs and how it was picked."""
+        mask_mod that hides blocks), and the execution plan each graph runs and how it
+        was picked."""
         parts = flex_chunks(config)
         lines = [cudnn_flex.describe(config)] if cudnn_flex.is_flex(config) else []
         if parts:
