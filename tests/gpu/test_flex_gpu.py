@@ -72,8 +72,8 @@ def test_lowered_mod_matches_the_oracle(name, variant):
 def test_causal_mods_in_query_chunks_match_the_oracle(name, monkeypatch):
     """fusedattn.causal_chunks: 4 chunks of 64 queries, GQA, bottom-right over longer kv.
     A chunk may have no cuDNN engine (prefix-LM's first chunk: three masks; a mask
-    inside the score_mod beside the chunk's; a scaled softcap), and then the call runs
-    whole, as checked here too (H100, cuDNN 9.19); the refusal must be cuDNN's."""
+    inside the score_mod beside the chunk's), and then the call runs whole, as checked
+    here too (H100, cuDNN 9.19); the refusal must be cuDNN's."""
     monkeypatch.setenv(causal_chunks.ENV_CHUNKS, "4")
     plan = _check_against_the_oracle(name, "chunks", dict(h_kv=2, mask="causal_bottom_right",
                                                           s_kv=320))
