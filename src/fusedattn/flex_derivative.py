@@ -18,7 +18,7 @@ equal one.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, Sequence, Tuple
 
 import jax
 from jax import lax
@@ -71,37 +71,6 @@ def _evaluate(jaxpr, consts: Sequence, args: Sequence):
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
-
-
-def times_gradient(lines: List[str], emit: Callable[..., str], result: str) -> str:
-    """The operand of ``g * result``, with g multiplied in where cuDNN takes it: a
-    derivative op's dy (``tanh_bwd:g*c,x``, the frontend's soft-capping form) reached
-    through sums and products; a plain ``mul:g,result`` for anything else. cuDNN's
-    engines refuse a derivative op on a constant dy (flex_ops.py, ``-const``)."""
-    parsed = [(line.split(":")[0], line.split(":")[1].split(",")) for line in lines]
-
-    def fused(t: str) -> bool:
-        if not t.startswith("v"):
-            return False
-        op, args = parsed[int(t[1:])]
-        return op in FUSED_BWD.values() or any(fused(a) for a in args)
-
-    def scaled(t: str) -> str:
-        if not fused(t):
-            return emit("mul", "g", t)
-        op, args = parsed[int(t[1:])]
-        if op in FUSED_BWD.values():
-            return emit(op, scaled(args[0]), args[1])
-        if op in ("add", "sub"):
-            return emit(op, scaled(args[0]), scaled(args[1]))
-        if op == "mul":
-            first = fused(args[0])
-            return emit("mul", scaled(args[0]) if first else args[0],
-                        args[1] if first else scaled(args[1]))
-        if op == "div" and fused(args[0]) and not fused(args[1]):
-            return emit("div", scaled(args[0]), args[1])
-        return emit("mul", "g", t)
-    return scaled(result)
 
 
 def with_fused_derivatives(fn: Callable, specs: Sequence) -> Tuple[Callable, bool]:

@@ -156,7 +156,7 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         result = p.lower(_live(eqns, [out]), out, dict(zip((invars[0], invars[3], invars[4]),
                                                            ("s", "q", "k"))))
         if is_bprop:
-            result = flex_derivative.times_gradient(list(p.lines), p.emit, result)
+            result = p.times_gradient(result)
         p.lines = _prune(p.lines, result)
         return p
 

@@ -159,6 +159,36 @@ class _Program:
             self.nonneg.add(name)
         return name
 
+    def times_gradient(self, result: str) -> str:
+        """The operand of ``g * result``, with g multiplied in where cuDNN takes it: a
+        derivative op's dy (``tanh_bwd:g*c,x``, the frontend's soft-capping form) reached
+        through sums and products; a plain ``mul:g,result`` for anything else. cuDNN's
+        engines refuse a derivative op on a constant dy (flex_ops.py, ``-const``)."""
+        parsed = parse_lines(self.lines)  # (what `scaled` emits is appended after these)
+
+        def fused(t: str) -> bool:
+            if not t.startswith("v"):
+                return False
+            op, args = parsed[int(t[1:])]
+            return op in FUSED_BWD.values() or any(fused(a) for a in args)
+
+        def scaled(t: str) -> str:
+            if not fused(t):
+                return self.emit("mul", "g", t)
+            op, args = parsed[int(t[1:])]
+            if op in FUSED_BWD.values():
+                return self.emit(op, scaled(args[0]), args[1])
+            if op in ("add", "sub"):
+                return self.emit(op, scaled(args[0]), scaled(args[1]))
+            if op == "mul":
+                first = fused(args[0])
+                return self.emit("mul", scaled(args[0]) if first else args[0],
+                                 args[1] if first else scaled(args[1]))
+            if op == "div" and fused(args[0]) and not fused(args[1]):
+                return self.emit("div", scaled(args[0]), args[1])
+            return self.emit("mul", "g", t)
+        return scaled(result)
+
     def emit_arith(self, op: str, integer: bool, *args: str) -> str:
         """`op` in int32 (``op.i``) where the jaxpr computes it on integers and every
         operand is int32 in the graph (indices, integer inputs, constants)."""

@@ -229,8 +229,7 @@ class _CudnnBackend:
         was picked."""
         parts = flex_chunks(config)
         lines = [cudnn_flex.describe(config)] if cudnn_flex.is_flex(config) else []
-        if parts:
-            lines.append((causal_chunks if config.causal else mask_chunks).describe(config, parts))
+        lines += [_chunking(config).describe(config, parts)] if parts else []
         if cudnn_probe.assumed() is None:
             lines += [probe(ch.config).describe() for ch in parts[:1]] or [probe(config).describe()]
         return "\n".join(filter(None, lines))
@@ -321,14 +320,17 @@ def attention_with_lse(config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
         return native_call.attention("cudnn", c, ci, need_lse=need_lse)
 
     def native(i):
-        if not parts:
-            return call(config, i)
-        return (causal_chunks if config.causal else mask_chunks).attention(config, i, parts, call)
+        return _chunking(config).attention(config, i, parts, call) if parts else call(config, i)
     if cudnn_flex.float_args(config):
         out, lse = cudnn_flex.with_arg_gradients(native, config, inputs)
     else:
         out, lse = native(inputs)
     return cudnn_flex.zero_padded_rows(config, inputs, out, lse)
+
+
+def _chunking(config: AttnConfig):
+    """The module whose chunks `flex_chunks` gives (a mask_mod's are never causal)."""
+    return causal_chunks if config.causal else mask_chunks
 
 
 def flex_chunks(config: AttnConfig) -> Tuple[causal_chunks.Chunk, ...]:
