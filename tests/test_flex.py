@@ -64,6 +64,34 @@ def test_program_interpreter_matches_the_jax_function(name, variant):
     np.testing.assert_allclose(d_got[finite], d_want[finite], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["causal", "window", "bottom_right"])
+@pytest.mark.parametrize("name", fc.LOWERED)
+def test_every_mask_select_comes_after_its_score_chain(name, variant):
+    """The frontend's own mask form, the one cuDNN skips hidden tiles in: each select to
+    -inf right after its own comparison, whose chain of positions, inputs and constants
+    comes right before it, after the value it masks (the native side generates a
+    forward's indices from the latest float value, so they come from that value)."""
+    config, _ = _config(name, **VARIANTS[variant])
+    lines = flex_lowering.lower(config, config.score_mod).forward.split("|")
+    parsed = [(line.split(":")[0], line.split(":")[1].split(",")) for line in lines]
+    reads_score = []
+    for op, args in parsed:
+        reads_score.append(any(a == "s" or (a[0] == "v" and reads_score[int(a[1:])])
+                               for a in args))
+    selects = [i for i, (op, args) in enumerate(parsed) if op == "sel" and args[2] == "c-inf"]
+    assert selects, lines
+    for i in selects:
+        assert parsed[i][1][0] == f"v{i - 1}", lines
+        start = i - 1  # the comparison's chain: the score-independent lines before it
+        while start > 0 and not reads_score[start - 1]:
+            start -= 1
+        stack = [i - 1]
+        while stack:  # every line the comparison reads lies in its chain
+            j = stack.pop()
+            assert start <= j < i, lines
+            stack += [int(a[1:]) for a in parsed[j][1] if a[0] == "v"]
+
+
 def fl_run(program, score, q_idx, kv_idx, inputs, grad=None, forward=""):
     return flex_interpreter.interpret(program, score, q_idx, kv_idx,
                                    [np.asarray(x) for x in inputs], grad, forward)
@@ -157,7 +185,8 @@ def test_flex_calls_lower_for_cuda_without_a_gpu(monkeypatch):
     assert plan.chosen == "cudnn", str(plan)
     assert "fusedattn_cudnn_fwd" in text and "fusedattn_cudnn_bwd" in text
     # slope * (k - q): the query's term leaves the program (flex_hoist)
-    assert "flex=ge:q,k|mul:a0,k|add:s,v1|sel:v0,v2,c-inf;" in text
+    # the mask after the score_mod, its indices generated from the value it masks
+    assert "flex=mul:a0,k|add:s,v0|ge:q,k|sel:v2,v1,c-inf;" in text
 
 
 @pytest.mark.parametrize("name", ["prefix_lm", "window_plus_sink", "softcap_prefix_lm"])

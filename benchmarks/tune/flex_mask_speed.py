@@ -41,13 +41,35 @@ def mask_first_and_last(s, b, h, q, k):
     return jnp.where(q >= k, mask_first(s, b, h, q, k), -jnp.inf)
 
 
-FORMS = {  # name -> fused_attn keyword arguments
+def softcap(s, b, h, q, k):
+    return 30 * jnp.tanh(s / 30)
+
+
+def alibi(s, b, h, q, k):
+    return s + 0.01 * (h + 1) * (k - q)
+
+
+def padded_relpos(s, b, h, q, k):
+    """A padding-like select (keys past 4000 hidden) inside the score_mod."""
+    return jnp.where(k < 4000, relpos(s, b, h, q, k), -jnp.inf)
+
+
+FORMS = {  # name -> fused_attn keyword arguments ("chunks": FUSEDATTN_FLEX_CAUSAL_CHUNKS)
     "plain causal": dict(mask="causal"),
     "mask_mod q >= k": dict(mask_mod=lambda b, h, q, k: q >= k),
     "relpos + causal": dict(mask="causal", score_mod=relpos),
+    "relpos + causal, 4 chunks": dict(mask="causal", score_mod=relpos, chunks=4),
     "mask first, relpos": dict(score_mod=mask_first),
     "mask, relpos, mask": dict(score_mod=mask_first_and_last),
     "relpos, no mask": dict(score_mod=relpos),
+    "softcap + causal": dict(mask="causal", score_mod=softcap),
+    "softcap + causal, 4 chunks": dict(mask="causal", score_mod=softcap, chunks=4),
+    "alibi + causal": dict(mask="causal", score_mod=alibi),
+    "padded relpos + causal": dict(mask="causal", score_mod=padded_relpos),
+    "plain window 1024": dict(mask="causal", window=(1024, 0)),
+    "relpos + window 1024": dict(mask="causal", window=(1024, 0), score_mod=relpos),
+    "prefix-LM 512": dict(mask_mod=lambda b, h, q, k: (q >= k) | (k < 512)),
+    "relpos + prefix-LM 512": dict(score_mod=relpos, mask_mod=lambda b, h, q, k: (q >= k) | (k < 512)),
 }
 
 
@@ -60,6 +82,8 @@ def main():
         row = {"mode": mode}
         calls = {}
         for name, kw in FORMS.items():
+            kw = dict(kw)
+            os.environ[causal_chunks.ENV_CHUNKS] = str(kw.pop("chunks", 1))
             if mode == "fwd":
                 plan = fusedattn.explain(q, k, v, backend="cudnn", **kw)
                 print(name, [line for line in str(plan).splitlines() if "lowered" in line],

@@ -163,9 +163,15 @@ namespace {
 TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Graph>& g,
                const std::vector<TensorPtr>& inputs, const TensorPtr& score, const TensorPtr& grad,
                const std::vector<TensorPtr>& forward, std::vector<TensorPtr>& values) {
-  // A fresh index node for every use, as cuDNN's own masks each generate theirs.
+  // A fresh index node for every use, as cuDNN's own masks each generate theirs. In
+  // a forward program it is generated from the latest float value, as the frontend's
+  // diagonal band mask generates its indices from the score it masks: cuDNN 9.19
+  // skips the tiles a causal select hides only in that form (on H100 a causal
+  // relative-position program ran at 454 TFLOP/s so, 258 with indices of the raw
+  // score: benchmarks/tune/flex_mask_speed.py). A bprop has no masks.
+  TensorPtr latest = score;
   auto index = [&](int axis) {
-    TensorPtr idx = g->pointwise(score, fe::graph::Pointwise_attributes()
+    TensorPtr idx = g->pointwise(grad ? score : latest, fe::graph::Pointwise_attributes()
                                             .set_mode(PointwiseMode_t::GEN_INDEX).set_axis(axis)
                                             .set_compute_data_type(fe::DataType_t::INT32));
     idx->set_data_type(fe::DataType_t::INT32);
@@ -224,6 +230,7 @@ TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Grap
       out = g->pointwise(arg(1), arg(2), arg(0), attrs);
     }
     out->set_data_type(type);
+    if (type == fe::DataType_t::FLOAT) latest = out;
     values.push_back(out);
   }
   return values.empty() ? score : values.back();

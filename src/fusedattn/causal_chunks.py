@@ -1,10 +1,7 @@
 """Causal (and sliding-window) attention with a score_mod, in query chunks that skip
-the keys the mask hides.
-
-cuDNN switches its own masks off under a score_mod, so the lowered program applies
-the causal mask itself and the kernel computes every tile of the score matrix, half
-of which the mask then throws away (measured on H100: a causal score_mod runs at the
-non-causal one's time). In n query chunks of c rows, chunk i's rows only see keys
+the keys the mask hides: for a cuDNN that computes every tile of a lowered causal
+program (cuDNN 9.19 did, until the program took the frontend's own mask form; see
+below). In n query chunks of c rows, chunk i's rows only see keys
 ``[kv_start_i, kv_end_i)``; each chunk is an ordinary call of its own shapes, with:
 
 * the chunk's causal mask in bottom-right alignment, which in the chunk's own
@@ -18,14 +15,14 @@ merged; the key / value gradients of the chunks add up through JAX's autodiff of
 the slices. The chunks compute (n + 1) / (2n) of the tiles (5/8 at n = 4), at the
 price of n smaller calls and the copies of their key / value prefixes.
 
-Which calls are chunked: `count(config)` chunks where `reason` finds nothing against
-it; the cudnn backend uses it for lowered score_mods. By default chunks of at least
-MIN_CHUNK_ROWS queries, at most DEFAULT_CHUNKS of them: on H100 (cuDNN 9.19,
-b4 s4096 h16 d128, benchmarks/bench_flex.py, 2026-11-24) 4 chunks ran a causal
-relative-position score_mod 1.14x (forward) and 1.18x (forward+backward) faster than
-one call, while 8 chunks of 512 rows lost the forward (0.96x): each chunk is a call
-of its own, plus copies of its key / value prefix. FUSEDATTN_FLEX_CAUSAL_CHUNKS=n
-sets the count (1: off).
+Which calls are chunked: none by default. A lowered causal program has the
+frontend's own mask form (`flex_lowering`: the select after the score_mod, its
+indices generated from the value it masks), and cuDNN 9.19 then skips the hidden
+tiles of one call itself. On H100 (b4 s4096 h16 d128, benchmarks/tune/
+flex_mask_speed.py, 2026-11-24) a causal relative-position score_mod ran 458 / 443
+TFLOP/s (forward / training) in one call and 303 / 299 in 4 chunks; a softcap 394 /
+371 against 275 / 262. FUSEDATTN_FLEX_CAUSAL_CHUNKS=n still splits a call into n
+chunks (for a cuDNN that computes every tile of such a program).
 """
 from __future__ import annotations
 
@@ -40,8 +37,7 @@ from .config import AttnConfig
 from .score_mods import reindexed
 
 ENV_CHUNKS = "FUSEDATTN_FLEX_CAUSAL_CHUNKS"
-DEFAULT_CHUNKS = 4
-MIN_CHUNK_ROWS = 1024
+MIN_CHUNK_ROWS = 1024  # mask_chunks' smallest chunk (smaller grids run slower)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +67,10 @@ class Chunk:
 
 
 def count(config: AttnConfig) -> int:
-    """How many query chunks `config` runs in (1: one call)."""
+    """How many query chunks `config` runs in (1: one call, the default)."""
     value = os.environ.get(ENV_CHUNKS, "")
     if not value:
-        return max(1, min(DEFAULT_CHUNKS, config.s_q // MIN_CHUNK_ROWS))
+        return 1
     try:
         n = int(value)
     except ValueError:
@@ -87,7 +83,8 @@ def count(config: AttnConfig) -> int:
 def reason(config: AttnConfig, n: int) -> Optional[str]:
     """Why `config` is not run in `n` query chunks (None: it can be)."""
     checks = (
-        (n > 1, f"not chunked: one chunk (s_q under {2 * MIN_CHUNK_ROWS}, or {ENV_CHUNKS}=1)"),
+        (n > 1, f"not chunked: one call, whose hidden tiles cuDNN skips ({ENV_CHUNKS}=n "
+                f"splits it)"),
         (config.causal, "no causal mask: every key is visible to every query"),
         (config.s_kv >= config.s_q, "s_kv < s_q"),
         (config.s_q % n == 0, f"s_q={config.s_q} is not a multiple of {n} chunks"),

@@ -201,6 +201,7 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
             total = total + value
         return total
     (pf, _), (pb, _) = programs
+    _masks_after_score_mod(pf, pb)
     return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, ints, evaluate, row_text,
                    row_shift)
 
@@ -247,6 +248,65 @@ def _prune(lines: List[str], result: str) -> List[str]:
     if result != f"v{len(out) - 1}":
         out.append(f"id:{result}")
     return out
+
+
+def _masks_after_score_mod(forward: _Program, bprop: _Program) -> None:
+    """Orders the forward in the frontend's own form of a score_mod and its masks:
+    each value's score chain first, its score-independent operands (a mask's
+    comparison of positions) right before it, and every select to -inf with a
+    comparison of its own. The native side generates a forward's index nodes from the
+    latest float value, so each mask's indices are generated from the score it masks:
+    the form in which cuDNN skips the tiles a causal mask hides."""
+    parsed = parse_lines(forward.lines)
+    reads_score = []
+    for op, args in parsed:
+        reads_score.append(any(a == "s" or (a.startswith("v") and reads_score[int(a[1:])])
+                               for a in args))
+    lines: List[str] = []
+    emitted: Dict[int, str] = {}  # old value -> its token in `lines`
+    order: Dict[int, int] = {}    # old value -> new number (first emission), for wN
+
+    def visit(i: int, fresh: bool = False) -> str:
+        if i in emitted and not (fresh and not reads_score[i]):
+            return emitted[i]
+        op, args = parsed[i]
+        tokens = dict.fromkeys(range(len(args)))
+        is_mask = op == "sel" and args[2] == "c-inf"
+        # the score chain first, then what only positions and inputs give
+        for j in sorted(range(len(args)), key=lambda j: not _reads(args[j], reads_score)):
+            a = args[j]
+            tokens[j] = visit(int(a[1:]), fresh or (is_mask and j == 0)) \
+                if re.fullmatch(r"v\d+", a) else a
+        lines.append(f"{op}:{','.join(tokens[j] for j in range(len(args)))}")
+        emitted[i] = f"v{len(lines) - 1}"
+        order.setdefault(i, len(lines) - 1)
+        return emitted[i]
+    for i in range(len(parsed)):  # values the result does not read (the bprop's) first
+        if i != len(parsed) - 1 and not _needed_by(parsed, len(parsed) - 1, i):
+            visit(i)
+    visit(len(parsed) - 1)
+    forward.lines = lines
+    renumber = {f"w{old}": f"w{new}" for old, new in order.items()}
+    bprop.lines = [f"{op}:{','.join(renumber.get(a, a) for a in args)}"
+                   for op, args in parse_lines(bprop.lines)]
+
+
+def _reads(token: str, reads_score: List[bool]) -> bool:
+    return token == "s" or (re.fullmatch(r"v\d+", token) is not None
+                            and reads_score[int(token[1:])])
+
+
+def _needed_by(parsed, result: int, i: int) -> bool:
+    """Whether value `i` is among the values `result` reads."""
+    stack, seen = [result], set()
+    while stack:
+        t = stack.pop()
+        if t == i:
+            return True
+        if t not in seen:
+            seen.add(t)
+            stack += [int(a[1:]) for a in parsed[t][1] if re.fullmatch(r"v\d+", a)]
+    return False
 
 
 def _read_score_through_forward(forward: _Program, bprop: _Program) -> None:
