@@ -36,20 +36,23 @@ def test_graph_key_carries_every_static_setting():
     assert (fields["softmax"], fields["det"], fields["seq"]) == ("2", "1", "0")
 
 
-def test_graph_key_carries_the_builtin_score_mods():
+def test_graph_key_carries_the_builtin_score_mods_as_programs():
     def fields(cfg):
         return dict(item.split("=") for item in cudnn.graph_key(cfg).split(";"))
-    plain = fields(BASE)
-    assert (plain["alibi"], float(plain["softcap"])) == ("0", 0.0)
+    assert fields(BASE)["flex"] == ""
     alibi = fields(dataclasses.replace(BASE, mask="causal", score_mod=score_mods.alibi(4)))
-    assert (alibi["alibi"], float(alibi["softcap"])) == ("1", 0.0)
+    assert (alibi["flex"], alibi["alibi"]) == ("mul:a0,k|add:s,v0|ge:q,k|sel:v2,v1,c-inf", "0")
+    # padding lengths: no program (cuDNN 9.19 misreads per-batch inputs), cuDNN's ALiBi
+    padded = fields(dataclasses.replace(BASE, mask="causal", sequence="padding",
+                                        score_mod=score_mods.alibi(4)))
+    assert (padded["flex"], padded["alibi"]) == ("", "1"), padded
     capped = fields(dataclasses.replace(BASE, score_mod=score_mods.softcap(30.25)))
-    assert (capped["alibi"], float(capped["softcap"])) == ("0", 30.25)
+    assert capped["flex"] == "div:s,c30.25|tanh:v0|mul:c30.25,v1", capped
     # equal score_mods give equal keys (one graph cache entry), different ones do not
     assert cudnn.graph_key(dataclasses.replace(BASE, score_mod=score_mods.softcap(30))) == \
         cudnn.graph_key(dataclasses.replace(BASE, score_mod=score_mods.softcap(30.0)))
     assert cudnn.graph_key(dataclasses.replace(BASE, score_mod=score_mods.softcap(30.0))) != \
-        cudnn.graph_key(dataclasses.replace(BASE, score_mod=score_mods.softcap(30.000001)))
+        cudnn.graph_key(dataclasses.replace(BASE, score_mod=score_mods.softcap(30.5)))
 
 
 def test_graph_keys_differ_for_different_configs():
@@ -93,17 +96,11 @@ SOFTCAP = score_mods.softcap(20.0)
 
 
 @pytest.mark.parametrize("change, fragment", [
-    (dict(score_mod=score_mods.alibi(8), mask="causal"), "num_heads must equal h_q"),
-    (dict(score_mod=ALIBI, mask="causal_bottom_right"), "top-left"),
-    (dict(score_mod=ALIBI), "right bound 0"),
-    (dict(score_mod=ALIBI, window=(16, 4)), "right bound 0"),
-    (dict(score_mod=ALIBI, window=(16, -1)), "right bound 0"),
-    (dict(score_mod=ALIBI, mask="causal", score_mod_arg_specs=(((4,), "float32"),)),
-     "takes no score_mod_args"),
-    (dict(score_mod=SOFTCAP, mask="causal"), "softcap with a causal mask or window"),
-    (dict(score_mod=SOFTCAP, window=(16, 16)), "softcap with a causal mask or window"),
-    (dict(score_mod=SOFTCAP, sequence="padding"), "softcap with padding sequences"),
-    (dict(score_mod=SOFTCAP, sequence="packed", max_segments=2), "softcap with packed sequences"),
+    (dict(score_mod=SOFTCAP, sequence="packed", max_segments=2), "packed (THD) sequences"),
+    (dict(score_mod=ALIBI, sequence="padding", mask="causal_bottom_right"), "top-left"),
+    (dict(score_mod=score_mods.alibi(8), mask="causal", bias_shape=(1, 4, 128, 128)),
+     "num_heads must equal h_q"),
+    (dict(score_mod=ALIBI, sequence="padding"), "right bound 0"),
     (dict(score_mod=SOFTCAP, bias_shape=(1, 4, 128, 128)), "before the bias"),
     (dict(score_mod=lambda s, b, h, i, j: s + jnp.cumsum(s, axis=-1)), "cannot be lowered"),
     (dict(score_mod=lambda s, b, h, i, j: s + i, bias_shape=(1, 4, 128, 128)), "before the bias"),
@@ -114,25 +111,36 @@ def test_score_mod_reasons(change, fragment):
 
 
 def test_builtin_score_mods_have_no_python_side_reason():
+    """Lowered like any score_mod, the built-ins take what their dedicated cuDNN forms
+    refused (ALiBi without a mask, bottom-right, with windows; softcap with masks and
+    windows); ALiBi keeps cuDNN's own form with padding, packed sequences and bias."""
     for change in (dict(mask="causal"), dict(mask="causal", sequence="padding"),
                    dict(mask="causal", sequence="packed", max_segments=3),
+                   dict(mask="causal", bias_shape=(2, 4, 128, 128)),
+                   dict(), dict(mask="causal_bottom_right"), dict(window=(32, 4)),
                    dict(mask="causal", h_q=8, h_kv=2, score_mod=score_mods.alibi(8)),
-                   dict(mask="causal", bias_shape=(2, 4, 128, 128)), dict(window=(32, 0)),
                    dict(mask="causal", window=(32, 0), dropout=0.1, softmax="learnable")):
         cfg = dataclasses.replace(BASE, **{"score_mod": ALIBI, **change})
         assert cudnn.config_reason(cfg) is None, change
     for change in ({}, dict(softmax="learnable"), dict(dropout=0.1), dict(h_q=8, h_kv=1),
+                   dict(mask="causal"), dict(window=(16, 16)),
                    dict(s_q=64, dtype="float16", d_qk=128, d_v=128)):
         assert cudnn.config_reason(dataclasses.replace(BASE, score_mod=SOFTCAP, **change)) is None
 
 
-def test_alibi_graphs_go_through_the_targets_xla_does_not_capture():
-    alibi = dataclasses.replace(BASE, mask="causal", score_mod=ALIBI)
+def test_graphs_that_copy_from_host_go_through_the_targets_xla_does_not_capture(monkeypatch):
+    alibi = dataclasses.replace(BASE, mask="causal", sequence="padding", score_mod=ALIBI)
     assumed = cudnn.Probe(True, "assumed", (0, 0, 0))
     assert cudnn.host_copies(alibi, assumed) == (True, True, True)  # from the config alone
-    assert cudnn.host_copies(BASE, assumed) == (False, False, False)
+    lowered = dataclasses.replace(alibi, sequence="dense")  # a program: no copies
+    assert cudnn.host_copies(lowered, assumed) == (False, False, False)
     told = cudnn.Probe(True, "", (0, 0, 0), host_copies=(False, False, True))
     assert cudnn.host_copies(BASE, told) == (False, False, True)  # and from the probe
+    monkeypatch.setattr(cudnn, "probe", lambda config: told)
+    monkeypatch.setattr(cudnn.BACKEND, "supports", lambda config: None)
+    monkeypatch.setattr(cudnn, "_register", lambda: None)
+    static = cudnn.static_call(BASE)
+    assert static.targets == (cudnn.TARGET_FWD, cudnn.TARGET_FWD, cudnn.TARGET_BWD_NOCMDBUF)
 
 
 def test_version_gates_are_applied_from_the_table():
@@ -212,13 +220,12 @@ def test_forward_and_backward_lower_for_cuda_without_a_gpu(cuda_lowering, option
     assert re.search(r"tensor<4096xui8>", both)
 
 
-@pytest.mark.parametrize("score_mod, mask, nocmdbuf", [
-    (score_mods.alibi(4), "causal", True),
-    (score_mods.softcap(20.0), "none", False),
+@pytest.mark.parametrize("score_mod, mask", [
+    (score_mods.alibi(4), "causal"),
+    (score_mods.softcap(20.0), "none"),
 ])
-def test_builtin_score_mods_lower_for_cuda(cuda_lowering, score_mod, mask, nocmdbuf):
-    """ALiBi lowers to the fusedattn_cudnn_*_nocmdbuf targets (its execute copies the
-    slopes from host memory), softcap to the command-buffer ones; both to cuDNN."""
+def test_builtin_score_mods_lower_for_cuda(cuda_lowering, score_mod, mask):
+    """The built-ins lower to lowered programs on the command-buffer targets."""
     q = jnp.ones((2, 64, 4, 64), jnp.bfloat16)
     k = v = jnp.ones((2, 64, 2, 64), jnp.bfloat16)
 
@@ -228,9 +235,8 @@ def test_builtin_score_mods_lower_for_cuda(cuda_lowering, score_mod, mask, nocmd
 
     text = _lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
     targets = set(re.findall(r"custom_call @(fusedattn_cudnn_[a-z_]+)", text))
-    suffix = "_nocmdbuf" if nocmdbuf else ""
-    assert targets == {"fusedattn_cudnn_fwd" + suffix, "fusedattn_cudnn_bwd" + suffix}, targets
-    assert f"alibi={int(nocmdbuf)}" in text  # the key the handlers parse
+    assert targets == {"fusedattn_cudnn_fwd", "fusedattn_cudnn_bwd"}, targets
+    assert re.search(r"flex=[^;]*tanh" if mask == "none" else r"flex=mul:a0,k", text)
 
 
 def test_packed_qkv_goes_in_as_one_buffer(cuda_lowering):

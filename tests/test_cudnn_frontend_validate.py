@@ -4,10 +4,10 @@ The compiled CUDA extension's `cudnn_validate_graphs(key, sm_version)` builds th
 three graphs of a config key exactly as the handlers do (csrc/cuda/cudnn_graph.cc,
 `make_graph`) and runs only the frontend's validation for that architecture: its
 support-surface checks, nothing that needs a device. So on a CPU machine this
-checks that the built-in score_mods are wired the way the frontend accepts
-(ALiBi with a causal mask, soft-capping through the score_mod hook), and that
-the configs `backends/cudnn.py` refuses for frontend reasons are refused by the
-frontend too. It cannot show that cuDNN then finds an engine, nor the numbers
+checks that the built-in score_mods are wired the way the frontend accepts (as
+lowered programs, and ALiBi through cuDNN's ALiBi mask where no program runs), and
+that the configs `backends/cudnn.py` refuses for frontend reasons are refused by
+the frontend too. It cannot show that cuDNN then finds an engine, nor the numbers
 (tests/gpu/test_cudnn.py does, on a GPU).
 
 The extension comes from an installed build (`fusedattn._cuda`) or from the tree
@@ -79,21 +79,22 @@ ACCEPTED = {
     "alibi-bias-dropout": dict(mask="causal", bias_shape=(1, 4, 128, 128), dropout=0.1,
                                score_mod=ALIBI),
     "alibi-window-only": dict(window=(32, 0), score_mod=ALIBI),
+    "alibi-no-mask": dict(score_mod=ALIBI),
+    "alibi-bottom-right-gqa": dict(mask="causal_bottom_right", h_kv=2, score_mod=ALIBI),
     "softcap": dict(score_mod=SOFTCAP),
+    "softcap-causal": dict(mask="causal", score_mod=SOFTCAP),
+    "softcap-window": dict(window=(16, 16), score_mod=SOFTCAP),
     "softcap-gqa-fp16-d128": dict(h_q=8, h_kv=2, d_qk=128, d_v=128, dtype="float16",
                                   score_mod=SOFTCAP),
     "softcap-learnable-sq<skv": dict(softmax="learnable", s_q=64, score_mod=SOFTCAP),
 }
 
-# Configs backends/cudnn.py refuses because the frontend does; the frontend must agree.
+# cuDNN's own ALiBi (`cudnn_flex.alibi_reason`) refuses these because the frontend
+# does; the frontend must agree. (With padding lengths, where no program runs either.)
 REFUSED = {
-    "alibi-no-mask": (dict(score_mod=ALIBI), "right_bound needs to be set to 0"),
-    "alibi-bottom-right": (dict(mask="causal_bottom_right", score_mod=ALIBI), "is_alibi=False"),
-    "softcap-causal": (dict(mask="causal", score_mod=SOFTCAP), "other subgraphs are disabled"),
-    "softcap-window": (dict(window=(16, 16), score_mod=SOFTCAP), "other subgraphs are disabled"),
-    "softcap-padding": (dict(sequence="padding", score_mod=SOFTCAP), "other subgraphs are disabled"),
-    "softcap-packed": (dict(sequence="packed", max_segments=2, score_mod=SOFTCAP),
-                       "other subgraphs are disabled"),
+    "alibi-no-mask": (dict(sequence="padding"), "right_bound needs to be set to 0"),
+    "alibi-bottom-right": (dict(mask="causal_bottom_right", sequence="padding"),
+                           "is_alibi=False"),
 }
 
 
@@ -111,9 +112,11 @@ def test_frontend_accepts_our_graphs(name, sm):
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_frontend_refuses_what_we_refuse(name, sm):
     change, fragment = REFUSED[name]
-    cfg = dataclasses.replace(BASE, **change)
+    cfg = dataclasses.replace(BASE, score_mod=ALIBI, **change)
     assert cudnn.config_reason(cfg) is not None
-    messages = EXT.cudnn_validate_graphs(cudnn.graph_key(cfg), sm)
+    # the key cuDNN's ALiBi would have: the config's without the score_mod, alibi=1
+    key = cudnn.graph_key(dataclasses.replace(cfg, score_mod=None)).replace("alibi=0", "alibi=1")
+    messages = EXT.cudnn_validate_graphs(key, sm)
     for graph, message in messages.items():
         assert fragment in message, (graph, message)
 

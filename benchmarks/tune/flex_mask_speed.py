@@ -18,7 +18,7 @@ from common import print_table, run_main, step, time_row, warm_into  # noqa: E40
 import jax.numpy as jnp  # noqa: E402
 
 import fusedattn  # noqa: E402
-from fusedattn import causal_chunks  # noqa: E402
+from fusedattn import causal_chunks, score_mods  # noqa: E402
 from fusedattn.config import AttnConfig  # noqa: E402
 
 os.environ[causal_chunks.ENV_CHUNKS] = "1"  # one call each: what cuDNN itself skips
@@ -65,6 +65,10 @@ FORMS = {  # name -> fused_attn keyword arguments ("chunks": FUSEDATTN_FLEX_CAUS
     "softcap + causal": dict(mask="causal", score_mod=softcap),
     "softcap + causal, 4 chunks": dict(mask="causal", score_mod=softcap, chunks=4),
     "alibi + causal": dict(mask="causal", score_mod=alibi),
+    "built-in alibi + causal": dict(mask="causal", score_mod=score_mods.alibi(H)),
+    "alibi slopes lambda + causal": dict(
+        mask="causal", score_mod=lambda s, b, h, q, k, sl: s + sl[h] * (k - q),
+        score_mod_args=(jnp.asarray(score_mods.alibi_slopes(H)),)),
     "padded relpos + causal": dict(mask="causal", score_mod=padded_relpos),
     "plain window 1024": dict(mask="causal", window=(1024, 0)),
     "relpos + window 1024": dict(mask="causal", window=(1024, 0), score_mod=relpos),

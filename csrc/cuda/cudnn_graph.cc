@@ -105,36 +105,12 @@ CommonTensors declare_common(fe::graph::Graph& g, const AttnParams& p, bool with
 
 namespace {
 
-// Soft-capping, cap * tanh(s / cap) on the scaled logits, through the frontend's
-// score_mod hook and its Softcap functor (utils/attn_score_modifiers.h). The
-// frontend applies a score_mod before the bias and allows no mask, window or
-// padding with it (Python refuses those configs). The backward graph recomputes
-// the scores with the same functor object (score_mod) before applying its
-// derivative (score_mod_bprop), which reuses the tanh input the recompute made.
-struct SoftcapMod {
-  std::shared_ptr<fe::graph::attn::score_modifiers::Softcap> functor =
-      std::make_shared<fe::graph::attn::score_modifiers::Softcap>();
-  TensorPtr cap;  // a pass-by-value fp32 scalar of the graph
-
-  SoftcapMod(fe::graph::Graph& g, float value) : cap(g.tensor(fe::graph::Tensor_attributes(value))) {}
-
-  auto forward() const {
-    return [functor = functor, cap = cap](std::shared_ptr<fe::graph::Graph> sub, TensorPtr score) {
-      return functor->forward(std::move(sub), std::move(score), cap);
-    };
-  }
-  auto backward() const {
-    return [functor = functor, cap = cap](std::shared_ptr<fe::graph::Graph> sub, TensorPtr d_score) {
-      return functor->backward(std::move(sub), std::move(d_score), cap);
-    };
-  }
-};
-
-// ALiBi: the frontend adds slope[h] * (kv index - q index) after the bias, with
-// its own slopes for the hq query heads (detail::get_alibi_slope, which
-// fusedattn.score_mods.alibi_slopes reproduces). It needs the right bound 0
-// (causal, top-left); it copies the slopes from host memory into the workspace
-// on every execute.
+// ALiBi in cuDNN's own form, for the configs a lowered score_mod cannot run
+// (padding lengths, packed sequences, bias: Python decides): the frontend adds
+// slope[h] * (kv index - q index) after the bias, with its own slopes for the hq
+// query heads (detail::get_alibi_slope, which fusedattn.score_mods.alibi_slopes
+// reproduces). It needs the right bound 0 (causal, top-left); it copies the
+// slopes from host memory into the workspace on every execute.
 template <typename Attrs>
 void set_alibi(Attrs& a, const AttnParams& p) {
   if (p.alibi) a.set_alibi_mask(true);
@@ -156,7 +132,6 @@ std::shared_ptr<fe::graph::Graph> make_graph(const AttnParams& p, GraphKind kind
     auto attrs = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(training);
     set_common_options(attrs, p, t);
     set_alibi(attrs, p);
-    if (p.has_softcap()) attrs.set_score_mod(SoftcapMod(*g, p.softcap).forward());
     if (p.has_flex()) attrs.set_score_mod(FlexMod(*g, p).forward());
     auto [o, stats] = g->sdpa(t.q, t.k, t.v, attrs);
     set_output(o, "O", kO, o_geometry(p), io);
@@ -175,10 +150,6 @@ std::shared_ptr<fe::graph::Graph> make_graph(const AttnParams& p, GraphKind kind
                    .set_deterministic_algorithm(p.deterministic);
   set_common_options(attrs, p, t);
   set_alibi(attrs, p);
-  if (p.has_softcap()) {
-    SoftcapMod softcap(*g, p.softcap);
-    attrs.set_score_mod(softcap.forward()).set_score_mod_bprop(softcap.backward());
-  }
   if (p.has_flex()) {
     FlexMod flex(*g, p);
     attrs.set_score_mod(flex.forward()).set_score_mod_bprop(flex.backward());

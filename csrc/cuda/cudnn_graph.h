@@ -10,8 +10,9 @@
 // allocation. Workspace is an XLA output whose size Python learns from
 // `check_support`.
 //
-// Built-in score_mods: ALiBi goes through the frontend's ALiBi mask, soft-capping
-// through its score_mod hook (see `make_graph`). ALiBi's slopes reach the device
+// score_mods are lowered programs (cudnn_flex.h), the built-in ALiBi and softcap
+// too; ALiBi goes through the frontend's ALiBi mask where a program cannot run
+// (padding, packed sequences, bias; see `make_graph`). ALiBi's slopes reach the device
 // as a host-to-device copy the frontend issues on every execute; graphs with
 // such copies run through FFI targets that do not declare XLA's command-buffer
 // trait (cudnn_ffi.cc).

@@ -38,9 +38,9 @@ struct AttnParams {
   Sequence sequence = Sequence::kDense;
   int64_t segments = 1;  // packed: segments per row
   bool deterministic = false;
-  // Built-in score_mods (src/fusedattn/score_mods.py) lowered to cuDNN:
-  bool alibi = false;    // ALiBi with cuDNN's slopes for hq heads (set_alibi_mask)
-  float softcap = 0.f;   // > 0: cap * tanh(s / cap) (score_mod + its backward)
+  // ALiBi in cuDNN's form (set_alibi_mask, its slopes for hq heads); other score_mods,
+  // and ALiBi where they can, are lowered programs (flex below).
+  bool alibi = false;
   // FP8 (cudnn_fp8_graph.cc): q, k, v, o in E4M3 with per-tensor scales; dO and
   // the gradients dq, dk, dv each E4M3 or E5M2.
   // A lowered score_mod (cudnn_flex.h): forward and bprop programs and the shapes
@@ -55,7 +55,6 @@ struct AttnParams {
   bool has_sink() const { return softmax != Softmax::kVanilla; }
   bool learnable_sink() const { return softmax == Softmax::kLearnable; }
   bool has_seq_lens() const { return sequence != Sequence::kDense; }
-  bool has_softcap() const { return softcap > 0.f; }
   bool has_flex() const { return !flex.empty(); }
   // Static inputs of a lowered score_mod (comma-separated shapes).
   size_t flex_input_count() const {
@@ -110,7 +109,6 @@ inline AttnParams parse_params(std::string_view key) {
   p.segments = i64("segs");
   p.deterministic = i64("det") != 0;
   p.alibi = i64("alibi") != 0;
-  p.softcap = f32("softcap");
   p.flex = take("flex");
   p.flex_bprop = take("flexb");
   p.flex_inputs = take("flexin");
@@ -119,8 +117,6 @@ inline AttnParams parse_params(std::string_view key) {
   p.fp8_grad = static_cast<Fp8Type>(i64("fp8_grad"));
   if (p.b <= 0 || p.sq <= 0 || p.skv <= 0 || p.hq <= 0 || p.hkv <= 0 || p.dqk <= 0 || p.dv <= 0)
     throw std::invalid_argument("cudnn attention key has a non-positive dimension");
-  if (!(p.softcap >= 0.f))  // also rejects NaN
-    throw std::invalid_argument("cudnn attention key has a negative or NaN softcap");
   return p;
 }
 

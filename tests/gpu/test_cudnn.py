@@ -245,15 +245,21 @@ TABLE = jnp.linspace(0.0, 1.0, 8)  # a lookup by position: a gather, which cuDNN
 def test_explain_names_cudnn_for_the_builtin_score_mods():
     q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
-    for options in (dict(mask="causal", score_mod=score_mods.alibi(8)),
-                    dict(mask="causal", window=(64, 0), score_mod=score_mods.alibi(8)),
-                    dict(score_mod=score_mods.softcap(30.0))):
+    padded = SequenceDescriptor.from_lengths(jnp.array([256, 100]), jnp.array([256, 90]))
+    for options, how in ((dict(mask="causal", score_mod=score_mods.alibi(8)), "lowered"),
+                         (dict(mask="causal_bottom_right", score_mod=score_mods.alibi(8)),
+                          "lowered"),
+                         (dict(mask="causal", window=(64, 0), score_mod=score_mods.alibi(8)),
+                          "lowered"),
+                         (dict(mask="causal", score_mod=score_mods.softcap(30.0)), "lowered"),
+                         (dict(mask="causal", sequence=padded, score_mod=score_mods.alibi(8)),
+                          "alibi=1")):
         plan = fusedattn.explain(q, kv, kv, **options)
         assert plan.chosen == "cudnn", str(plan)
+        assert how in str(plan) or how in cudnn.graph_key(plan.config), str(plan)
     # what cuDNN cannot do falls back to XLA, with the reason
-    for options, fragment in ((dict(mask="causal", score_mod=score_mods.softcap(30.0)), "softcap"),
-                              (dict(mask="causal_bottom_right", score_mod=score_mods.alibi(8)),
-                               "top-left"),
+    for options, fragment in ((dict(mask="causal_bottom_right", sequence=padded,
+                                    score_mod=score_mods.alibi(8)), "top-left"),
                               (dict(score_mod=lambda s, b, h, i, j: s + TABLE[(i - j) % 8]),
                                "gather")):
         plan = fusedattn.explain(q, kv, kv, **options)
@@ -261,19 +267,23 @@ def test_explain_names_cudnn_for_the_builtin_score_mods():
 
 
 def test_alibi_graphs_copy_from_host_and_avoid_command_buffers():
-    """The probe sees ALiBi's host-to-device slope copies (and none elsewhere), and the
-    calls lower to the targets XLA does not capture."""
+    """The probe sees the host-to-device slope copies of cuDNN's ALiBi (padding: no
+    program runs) and none elsewhere, and those calls lower to the targets XLA does
+    not capture; a lowered ALiBi has no copies."""
     base = AttnConfig(batch=2, s_q=256, s_kv=256, h_q=8, h_kv=8, d_qk=64, d_v=64,
                       dtype="bfloat16", scale=0.125, mask="causal")
-    with_alibi = dataclasses.replace(base, score_mod=score_mods.alibi(8))
+    with_alibi = dataclasses.replace(base, sequence="padding", score_mod=score_mods.alibi(8))
     assert cudnn.probe(with_alibi).host_copies == (True, True, True)
     assert cudnn.probe(base).host_copies == (False, False, False)
-    assert cudnn.probe(dataclasses.replace(base, mask="none", score_mod=score_mods.softcap(8.0))
-                       ).host_copies == (False, False, False)
+    for lowered in (score_mods.alibi(8), score_mods.softcap(8.0)):
+        assert cudnn.probe(dataclasses.replace(base, score_mod=lowered)).host_copies == \
+            (False, False, False)
     q = jnp.ones((2, 256, 8, 64), jnp.bfloat16)
+    padded = SequenceDescriptor.from_lengths(jnp.array([256, 100]), jnp.array([256, 90]))
 
     def loss(q):
-        out = fusedattn.fused_attn(q, q, q, mask="causal", score_mod=score_mods.alibi(8))
+        out = fusedattn.fused_attn(q, q, q, mask="causal", sequence=padded,
+                                   score_mod=score_mods.alibi(8))
         return jnp.sum(out.astype(jnp.float32))
     text = jax.jit(jax.grad(loss)).lower(q).as_text()
     assert "fusedattn_cudnn_fwd_nocmdbuf" in text and "fusedattn_cudnn_bwd_nocmdbuf" in text

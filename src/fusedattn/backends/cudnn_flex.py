@@ -22,13 +22,37 @@ import jax.numpy as jnp
 
 from .. import flex_lowering, partitioning
 from ..config import AttnConfig
-from ..score_mods import Alibi, SoftCap
+from ..score_mods import Alibi
 from .base import AttnInputs
 
 
 def is_flex(config: AttnConfig) -> bool:
-    """A score_mod that is not one of cuDNN's built-in forms (ALiBi, soft-capping)."""
-    return config.score_mod is not None and not isinstance(config.score_mod, (Alibi, SoftCap))
+    """A config whose score_mod / mask_mod runs as lowered programs (the built-ins too;
+    ALiBi in cuDNN's own form only where no program can run: `uses_cudnn_alibi`)."""
+    return config.score_mod is not None and not uses_cudnn_alibi(config)
+
+
+def uses_cudnn_alibi(config: AttnConfig) -> bool:
+    """ALiBi through cuDNN's ALiBi mask: where a lowered program cannot run (padding
+    lengths read per batch, packed sequences, bias) and cuDNN's form can."""
+    return (isinstance(config.score_mod, Alibi) and reason(config) is not None
+            and alibi_reason(config) is None)
+
+
+def alibi_reason(config: AttnConfig) -> Optional[str]:
+    """Why cuDNN's own ALiBi form cannot run this config (None: it can); the rules of
+    cudnn-frontend's checks (sdpa_support_surface.h, frontend 1.32)."""
+    mod = config.score_mod
+    if mod.num_heads != config.h_q:
+        return (f"alibi(num_heads={mod.num_heads}) with h_q={config.h_q}: cuDNN computes the "
+                f"ALiBi slopes for the query heads, so num_heads must equal h_q")
+    if config.mask == "causal_bottom_right":
+        return ("mask='causal_bottom_right': cuDNN supports ALiBi only with top-left causal "
+                "masking (mask='causal')")
+    if config.window_bounds()[1] != 0:
+        return ("no causal mask: cuDNN supports ALiBi only with the diagonal band's right "
+                "bound 0 (mask='causal', or window=(left, 0))")
+    return None
 
 
 def float_args(config: AttnConfig) -> bool:
