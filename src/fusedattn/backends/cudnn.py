@@ -16,10 +16,11 @@ graphs of its own shard's config.
 score_mods: every JAX score_mod / mask_mod, the built-in ALiBi and softcap of
 `fusedattn.score_mods` included, is lowered to pointwise graph operations by
 `cudnn_flex` (with the config's masks composed in), or refused with the reason. On
-H100 with cuDNN 9.19 the lowered built-ins ran faster than cuDNN's dedicated forms
-(ALiBi causal 440 / 445 against 416 / 422 TFLOP/s forward / training, softcap 440 /
-439 against 432 / 422: benchmarks/results/SUMMARY.md) and take masks and windows the
-dedicated forms refused. ALiBi keeps cuDNN's own form where a program cannot run
+H100 with cuDNN 9.19 the lowered ALiBi ran faster than cuDNN's ALiBi mask (causal 440
+/ 445 against 416 / 422 TFLOP/s forward / training), the lowered softcap as fast as
+the frontend's softcap functor (440 / 439 against 432 / 422, within the 2% that two
+runs of one program differ by: benchmarks/results/SUMMARY.md), and both take masks
+and windows the dedicated forms refused. ALiBi keeps cuDNN's own form where a program cannot run
 and that form can (padding lengths, packed sequences, bias: `cudnn_flex.uses_cudnn_alibi`).
 
 The probe (`cudnn_probe`) persists plans across processes (`fusedattn.plan_cache`)
