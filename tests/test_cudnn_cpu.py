@@ -261,3 +261,20 @@ def test_attention_with_lse_shapes_under_eval_shape(cuda_lowering):
         lambda q, k, v: cudnn.attention_with_lse(cfg, AttnInputs(q, k, v)), q, kv, kv)
     assert out.shape == (1, 32, 4, 64) and out.dtype == jnp.bfloat16
     assert lse.shape == (1, 4, 32) and lse.dtype == jnp.float32
+
+
+def test_stored_plans_name_the_graph_form(monkeypatch, tmp_path):
+    """A plan stored for a key is only loaded for the graph form that made it."""
+    from fusedattn import plan_cache
+    from fusedattn.backends import cudnn_probe
+
+    class Module:
+        cudnn_device_identity = staticmethod(lambda: {"name": "gpu", "sm": 90,
+                                                      "multiprocessors": 132})
+        cudnn_versions = staticmethod(lambda: {"cudnn_runtime": 91900,
+                                               "cudnn_frontend": 13200})
+    monkeypatch.setattr(plan_cache, "directory", lambda: str(tmp_path))
+    now = cudnn_probe._plan_identities(Module, "k")
+    monkeypatch.setattr(cudnn_probe, "GRAPH_FORM", cudnn_probe.GRAPH_FORM + 1)
+    later = cudnn_probe._plan_identities(Module, "k")
+    assert all(now[g]["graph_form"] != later[g]["graph_form"] for g in cudnn.GRAPHS)

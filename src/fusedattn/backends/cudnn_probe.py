@@ -137,6 +137,12 @@ def _check_support(module, key: str) -> dict:
     return r
 
 
+# How csrc builds a key's graphs: a stored plan is only valid for the graph it was made
+# for, so this changes whenever the same key builds another graph (2: a forward
+# program's index nodes generated from its latest value, csrc/cuda/cudnn_flex.cc).
+GRAPH_FORM = 2
+
+
 def _plan_identities(module, key: str) -> Dict[str, dict]:
     """Per graph, what its stored plan is valid for (empty when the cache is off)."""
     if plan_cache.directory() is None:
@@ -148,7 +154,8 @@ def _plan_identities(module, key: str) -> Dict[str, dict]:
     base = {"what": "cudnn-plan", "gpu": device["name"], "sm": device["sm"],
             "multiprocessors": device["multiprocessors"],
             "cudnn": versions["cudnn_runtime"], "cudnn_frontend": versions["cudnn_frontend"],
-            "key": key, "selection": "autotuned" if autotune_enabled() else "heuristics"}
+            "key": key, "graph_form": GRAPH_FORM,
+            "selection": "autotuned" if autotune_enabled() else "heuristics"}
     return {graph: {**base, "graph": graph} for graph in GRAPHS}
 
 
