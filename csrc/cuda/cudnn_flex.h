@@ -5,11 +5,11 @@
 // A program is text: instructions separated by '|', each "op:operand,operand,..".
 // Operands: s (the score: fp32 scaled logits), q / k (query / key index, from
 // cuDNN's index generation along axes 2 / 3; in a forward program, of the latest
-// float value, so a mask written after the score_mod has the frontend's form), g (the incoming gradient, bprop
-// only), aN (static input N: a float tensor broadcast over [b, h, s_q, s_kv],
-// evaluated by XLA from batch / head indices and score_mod_args; int32 where the
-// inputs' text marks it), vN (the result
-// of instruction N), wN (the forward program's value N, bprop only), c<float> (a
+// float value, so a mask written after the score_mod has the frontend's form), g
+// (the incoming gradient, bprop only), aN (static input N: a float tensor
+// broadcast over [b, h, s_q, s_kv], evaluated by XLA from batch / head indices and
+// score_mod_args; int32 where the inputs' text marks it), vN (the result of
+// instruction N), wN (the forward program's value N, bprop only), c<float> (a
 // constant). An arithmetic op named with the suffix ".i" (add.i) computes in int32,
 // its constants int32 too (div.i truncates, as int32 division does): the form of
 // cuDNN's own mask offsets (the frontend's diagonal band mask adds to its int32

@@ -20,8 +20,9 @@ H100 with cuDNN 9.19 the lowered ALiBi ran faster than cuDNN's ALiBi mask (causa
 / 445 against 416 / 422 TFLOP/s forward / training), the lowered softcap as fast as
 the frontend's softcap functor (440 / 439 against 432 / 422, within the 2% that two
 runs of one program differ by: benchmarks/results/SUMMARY.md), and both take masks
-and windows the dedicated forms refused. ALiBi keeps cuDNN's own form where a program cannot run
-and that form can (padding lengths, packed sequences, bias: `cudnn_flex.uses_cudnn_alibi`).
+and windows the dedicated forms refused. ALiBi keeps cuDNN's own form where a program
+cannot run and that form can (padding lengths, packed sequences, bias:
+`cudnn_flex.uses_cudnn_alibi`).
 
 The probe (`cudnn_probe`) persists plans across processes (`fusedattn.plan_cache`)
 and bounds the in-process graph cache (`set_graph_cache_size`).
@@ -41,8 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import causal_chunks, fp8, mask_chunks
-from ..score_mods import Alibi
 from ..config import AttnConfig
+from ..score_mods import Alibi
 from . import cudnn_flex, cudnn_probe, native, native_call
 from .cudnn_probe import GRAPHS, Probe
 
