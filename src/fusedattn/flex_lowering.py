@@ -235,13 +235,7 @@ def _prune(lines: List[str], result: str) -> List[str]:
     """The instructions `result` needs, renumbered, ending with it (an `id` when the
     result is not an instruction of its own)."""
     parsed = parse_lines(lines)
-    needed, stack = set(), [result]
-    while stack:
-        t = stack.pop()
-        if t.startswith("v") and int(t[1:]) not in needed:
-            needed.add(int(t[1:]))
-            stack.extend(parsed[int(t[1:])][1])
-    order = sorted(needed)
+    order = sorted(_needed(parsed, result))
     new_index = {f"v{old}": f"v{i}" for i, old in enumerate(order)}
     out = [f"{parsed[i][0]}:{','.join(new_index.get(a, a) for a in parsed[i][1])}" for i in order]
     result = new_index.get(result, result)
@@ -281,8 +275,9 @@ def _masks_after_score_mod(forward: _Program, bprop: _Program) -> None:
         emitted[i] = f"v{len(lines) - 1}"
         order.setdefault(i, len(lines) - 1)
         return emitted[i]
+    needed = _needed(parsed, f"v{len(parsed) - 1}")
     for i in range(len(parsed)):  # values the result does not read (the bprop's) first
-        if i != len(parsed) - 1 and not _needed_by(parsed, len(parsed) - 1, i):
+        if i not in needed:
             visit(i)
     visit(len(parsed) - 1)
     forward.lines = lines
@@ -296,17 +291,15 @@ def _reads(token: str, reads_score: List[bool]) -> bool:
                             and reads_score[int(token[1:])])
 
 
-def _needed_by(parsed, result: int, i: int) -> bool:
-    """Whether value `i` is among the values `result` reads."""
-    stack, seen = [result], set()
+def _needed(parsed, result: str) -> set:
+    """The numbers of the instructions `result` reads, itself included."""
+    needed, stack = set(), [result]
     while stack:
         t = stack.pop()
-        if t == i:
-            return True
-        if t not in seen:
-            seen.add(t)
-            stack += [int(a[1:]) for a in parsed[t][1] if re.fullmatch(r"v\d+", a)]
-    return False
+        if t.startswith("v") and int(t[1:]) not in needed:
+            needed.add(int(t[1:]))
+            stack.extend(parsed[int(t[1:])][1])
+    return needed
 
 
 def _read_score_through_forward(forward: _Program, bprop: _Program) -> None:
