@@ -4,7 +4,6 @@ the cuDNN FP8 calls for CUDA without a GPU. The same cases run on cuDNN in
 tests/gpu/test_fp8_gpu.py."""
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import jax
@@ -14,7 +13,7 @@ import pytest
 
 import fp8_cases as fc
 import fusedattn
-from fusedattn import dispatch, fp8, fp8_chunks
+from fusedattn import dispatch, fp8
 from fusedattn.backends import cudnn
 
 CASES = [
@@ -144,86 +143,6 @@ def test_fp8_lowers_for_cuda_without_a_gpu(monkeypatch):
     assert "f8E4M3FN" in text and "f8E5M2" in text
     fields = dict(item.split("=") for item in key.split(";"))
     assert (fields["fp8"], fields["fp8_do"], fields["fp8_grad"]) == ("1", "1", "1")
-
-
-# ---- the causal backward in key chunks (fusedattn.fp8_chunks) -----------------------------
-CHUNKED = [fc.Fp8Case(mask="causal", h_kv=2), fc.Fp8Case(mask="causal", layout="sbhd", d=32)]
-
-
-def _count_chunked(monkeypatch, n: str):
-    """Force `n` key chunks on every backend; returns the list the chunk counts land in."""
-    monkeypatch.setenv(fp8_chunks.ENV_CHUNKS, n)
-    seen, real = [], fp8_chunks.backward
-
-    def spy(run, config, n, *args):
-        seen.append(n)
-        return real(run, config, n, *args)
-    monkeypatch.setattr(fp8_chunks, "backward", spy)
-    return seen
-
-
-@pytest.mark.parametrize("case", CHUNKED, ids=fc.Fp8Case.label)
-def test_chunked_causal_backward_matches_the_oracle(case, monkeypatch):
-    """4 key chunks, through both API levels: gradients and amaxes against the oracle."""
-    seen = _count_chunked(monkeypatch, "4")
-    fc.check_current_scaling(case, backend="xla")
-    fc.check_explicit(case, fp8.E4M3, backend="xla")
-    assert seen == [4, 4]
-
-
-def test_chunked_backward_equals_one_call():
-    """The chunks' dk, dv are one call's, bit for bit; dq (summed in fp32, not
-    quantized) within the E5M2 rounding of one call's dq."""
-    case = fc.Fp8Case(mask="causal", h_kv=2, s=256)
-    q, k, v, d_out, _ = fc.inputs(case)
-
-    def grads(n):
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(fp8_chunks.ENV_CHUNKS, n)
-            return jax.vjp(lambda q, k, v: fusedattn.fused_attn(
-                q, k, v, mask="causal", precision="fp8", backend="xla"), q, k, v)[1](d_out)
-    one, four = grads("1"), grads("4")
-    for a, b in zip(one[1:], four[1:]):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    assert fc.rel(np.asarray(four[0], np.float32), np.asarray(one[0], np.float64)) < 0.06
-
-
-def test_chunk_count_and_reasons(monkeypatch):
-    config = fusedattn.validation.build_call(
-        *(jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16),) * 3, mask="causal",
-        precision="fp8")[0]
-    assert fp8_chunks.count(config, "cudnn") == 4   # cuDNN's FP8 backward computes every tile
-    assert fp8_chunks.count(config, "xla") == 1
-    short = dataclasses.replace(config, s_q=1024, s_kv=1024)
-    assert fp8_chunks.count(short, "cudnn") == 2     # chunks of at least MIN_CHUNK_KEYS
-    assert fp8_chunks.count(dataclasses.replace(config, mask="none"), "cudnn") == 1
-    assert [c.s_q for c in fp8_chunks.chunk_configs(config, 4)] == [4096, 3072, 2048, 1024]
-    assert fp8_chunks.reason(config, 4) is None
-    assert "window" in fp8_chunks.reason(dataclasses.replace(config, window=(128, 0)), 4)
-    assert "padding" in fp8_chunks.reason(dataclasses.replace(config, sequence="padding"), 4)
-    assert "s_q=2048 != s_kv=4096" in fp8_chunks.reason(dataclasses.replace(config, s_q=2048), 4)
-    monkeypatch.setenv(fp8_chunks.ENV_CHUNKS, "x")
-    with pytest.raises(ValueError, match=fp8_chunks.ENV_CHUNKS):
-        fp8_chunks.count(config, "cudnn")
-
-
-def test_chunked_backward_lowers_for_cuda(monkeypatch):
-    """On cuDNN a causal FP8 training step at s 2048 runs one forward and four backward calls,
-    and explain() says why."""
-    monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
-    dispatch.clear_cache()
-    q = jnp.zeros((1, 2048, 2, 128), jnp.bfloat16)
-
-    def step(q, k, v):
-        return jax.grad(lambda q, k, v: fusedattn.fused_attn(
-            q, k, v, mask="causal", precision="fp8").astype(jnp.float32).sum(), (0, 1, 2))(q, k, v)
-    with cudnn.assume_supported(workspace_bytes=4096):
-        text = jax.jit(step).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
-        plan = str(fusedattn.explain(q, q, q, mask="causal", precision="fp8"))
-    dispatch.clear_cache()
-    calls = re.findall(r"custom_call @(fusedattn_cudnn_fp8_\w+)", text)
-    assert sorted(calls) == ["fusedattn_cudnn_fp8_bwd"] * 4 + ["fusedattn_cudnn_fp8_fwd"], calls
-    assert "FP8 backward in 4 key chunks of 512" in plan, plan
 
 
 # ---- partitioning (8 host devices, tests/conftest.py) ------------------------------------

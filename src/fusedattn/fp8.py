@@ -26,7 +26,6 @@ from typing import NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from . import fp8_chunks
 from .config import AttnConfig
 from .partitioning import typed_like
 
@@ -129,21 +128,8 @@ def _forward(backend: str, config: AttnConfig, q8, k8, v8, sequence, scales, tra
 
 
 def _backward(backend: str, config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence, scales):
-    """(dq, dk8, dv8, amaxes of dq, dk, dv, dP). dq is FP8 from one call, or the fp32
-    gradient itself when a causal backward runs in key chunks (`fp8_chunks`)."""
     from .backends import native_call  # noqa: PLC0415
-    n = fp8_chunks.plan(config, backend)
-    if n > 1:
-        def run(chunk, q8, k8, v8, o8, do8, lse, scales):
-            return native_call.fp8_backward(backend, chunk, q8, k8, v8, o8, do8, lse, None,
-                                            scales)
-        return fp8_chunks.backward(run, config, n, q8, k8, v8, o8, do8, lse, scales)
     return native_call.fp8_backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
-
-
-def _real(grad: jax.Array, scale: jax.Array, dtype) -> jax.Array:
-    """A gradient from `_backward` (FP8, or already fp32) in `dtype`."""
-    return grad.astype(dtype) if grad.dtype == jnp.float32 else dequantize(grad, scale, dtype)
 
 
 # ---- level 1: current scaling (precision="fp8") -----------------------------------------
@@ -225,11 +211,11 @@ def _current_bwd(config, backend, residuals, d_out):
     d_out = typed_like(d_out, q8)
     scales = backward_scales(config, fwd, stats, d_out)
     do8 = quantize(d_out, scales.do, config.fp8_do)
-    dq, dk8, dv8, _ = _backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
+    dq8, dk8, dv8, _ = _backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
     dtype = config.dtype
     # Each gradient carries its primal's sharding type (Explicit mesh axes).
-    return tuple(typed_like(_real(g, s, dtype), x) for g, s, x in
-                 ((dq, scales.dq, q8), (dk8, scales.dk, k8), (dv8, scales.dv, v8))) + (None,)
+    return tuple(typed_like(dequantize(g, s, dtype), x) for g, s, x in
+                 ((dq8, scales.dq, q8), (dk8, scales.dk, k8), (dv8, scales.dv, v8))) + (None,)
 
 
 _current.defvjp(_current_fwd, _current_bwd)
@@ -303,9 +289,7 @@ def _explicit_bwd(config, backend, residuals, cotangents):
     q8, k8, v8, o8, lse, sequence, scales = residuals
     d_out = typed_like(cotangents[0], q8)
     do8 = d_out if config.fp8_out else quantize(d_out, scales.do, config.fp8_do)
-    dq, dk8, dv8, bwd_amax = _backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
-    # A chunked backward sums dq in fp32: quantized here as the kernel would have.
-    dq8 = quantize(dq, scales.dq, config.fp8_grad) if dq.dtype == jnp.float32 else dq
+    dq8, dk8, dv8, bwd_amax = _backward(backend, config, q8, k8, v8, o8, do8, lse, sequence, scales)
     zeros = Fp8Scales(*(jnp.zeros_like(x) for x in scales))
     dq8, dk8, dv8 = (typed_like(g, x) for g, x in ((dq8, q8), (dk8, k8), (dv8, v8)))
     return dq8, dk8, dv8, None, zeros, BackwardAmax(*bwd_amax)

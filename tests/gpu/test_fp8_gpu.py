@@ -9,7 +9,7 @@ import pytest
 
 import fp8_cases as fc
 import fusedattn
-from fusedattn import fp8, fp8_chunks
+from fusedattn import fp8
 
 pytestmark = pytest.mark.gpu
 
@@ -44,25 +44,6 @@ def test_explicit_fp8_on_cudnn(case, out_dtype):
     # S: the kernel's probabilities (at most 1). dP: the gradient of the scaled logits.
     assert 0.0 < errors["amax_s"] <= 1.0 + 1e-3
     assert errors["amax_dp"] == pytest.approx(errors["oracle_amax_dp"], rel=fc.GRAD_TOL)
-
-
-def test_causal_backward_runs_in_key_chunks(monkeypatch):
-    """At s 2048 the causal backward runs in 4 key chunks (cuDNN's FP8 backward computes
-    every tile under a causal mask): explain() says so, the explicit level meets the
-    oracle, and the gradients equal one call's to within the FP8 rounding."""
-    case = CASES[-1]
-    q, k, v, d_out, _ = fc.inputs(case)
-    assert "FP8 backward in 4 key chunks" in str(
-        fusedattn.explain(q, k, v, mask="causal", precision="fp8"))
-    fc.check_explicit(case, fp8.E4M3, backend="cudnn")
-
-    def grads():
-        return jax.vjp(lambda q, k, v: fusedattn.fused_attn(
-            q, k, v, mask="causal", precision="fp8", backend="cudnn"), q, k, v)[1](d_out)
-    chunked = grads()
-    monkeypatch.setenv(fp8_chunks.ENV_CHUNKS, "1")
-    for a, b in zip(chunked, grads()):
-        assert fc.rel(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)) < fc.GRAD_TOL / 2
 
 
 def test_emulation_matches_cudnn():

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import causal_chunks, fp8, fp8_chunks, mask_chunks
+from .. import causal_chunks, fp8, mask_chunks
 from ..config import AttnConfig
 from ..score_mods import Alibi
 from . import cudnn_flex, cudnn_probe, native, native_call
@@ -198,8 +198,6 @@ class _CudnnBackend:
         parts = flex_chunks(config)
         lines = [cudnn_flex.describe(config)] if cudnn_flex.is_flex(config) else []
         lines += [_chunking(config).describe(config, parts)] if parts else []
-        n = fp8_chunks.plan(config, "cudnn") if config.is_fp8 else 1
-        lines += [fp8_chunks.describe(config, n)] if n > 1 else []
         if cudnn_probe.assumed() is None:
             lines += [probe(ch.config).describe() for ch in parts[:1]] or [probe(config).describe()]
         return "\n".join(filter(None, lines))

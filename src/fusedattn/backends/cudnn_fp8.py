@@ -19,9 +19,6 @@ from . import cudnn
 from .base import AttnInputs
 
 _SLOT = 4  # floats per scalar row (kFp8SlotFloats)
-# cuDNN 9.19's FP8 backward (Hopper) computes every tile under a causal mask, so a causal
-# backward runs in key chunks (fusedattn.fp8_chunks has the measurement).
-CAUSAL_BACKWARD_COMPUTES_HIDDEN_TILES = True
 _FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
