@@ -14,7 +14,7 @@ import pytest
 import fp8_cases as fc
 import fusedattn
 from fusedattn import dispatch, fp8
-from fusedattn.backends import cudnn
+from fusedattn.backends import cudnn, cudnn_fp8
 
 CASES = [
     fc.Fp8Case(),
@@ -126,10 +126,12 @@ def test_dispatch_reasons_for_fp8(monkeypatch):
     dispatch.clear_cache()
 
 
-def test_fp8_lowers_for_cuda_without_a_gpu(monkeypatch):
+def _causal_fp8_step_for_cuda(monkeypatch, shape):
+    """(StableHLO text of a causal precision='fp8' training step lowered for CUDA without
+    a GPU, its cuDNN graph key, explain()'s text)."""
     monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
     dispatch.clear_cache()
-    q = jnp.zeros((2, 128, 4, 128), jnp.bfloat16)
+    q = jnp.zeros(shape, jnp.bfloat16)
 
     def step(q, k, v):
         return jax.grad(lambda q, k, v: fusedattn.fused_attn(
@@ -138,11 +140,49 @@ def test_fp8_lowers_for_cuda_without_a_gpu(monkeypatch):
         text = jax.jit(step).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
         key = cudnn.graph_key(fusedattn.validation.build_call(q, q, q, mask="causal",
                                                               precision="fp8")[0])
+        plan = str(fusedattn.explain(q, q, q, mask="causal", precision="fp8"))
     dispatch.clear_cache()
+    return text, key, plan
+
+
+def test_fp8_lowers_for_cuda_without_a_gpu(monkeypatch):
+    text, key, _ = _causal_fp8_step_for_cuda(monkeypatch, (2, 128, 4, 128))
     assert "fusedattn_cudnn_fp8_fwd" in text and "fusedattn_cudnn_fp8_bwd" in text
     assert "f8E4M3FN" in text and "f8E5M2" in text
     fields = dict(item.split("=") for item in key.split(";"))
     assert (fields["fp8"], fields["fp8_do"], fields["fp8_grad"]) == ("1", "1", "1")
+
+
+# ---- cuDNN's causal FP8 backward in small calls (backends/cudnn_fp8.py) -----------------
+def _fp8_config(b, h_q, h_kv, mask="causal"):
+    q = jax.ShapeDtypeStruct((b, 256, h_q, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, 256, h_kv, 128), jnp.bfloat16)
+    return fusedattn.validation.build_call(q, kv, kv, mask=mask, precision="fp8")[0]
+
+
+def test_causal_fp8_backward_groups(monkeypatch):
+    groups = cudnn_fp8.backward_groups
+    assert groups(_fp8_config(4, 16, 16)) == (((0, 2), (0, 16)), ((2, 4), (0, 16)))
+    assert groups(_fp8_config(5, 16, 16))[-1] == ((4, 5), (0, 16))
+    assert groups(_fp8_config(2, 16, 16)) == (((0, 2), (0, 16)),)      # 32 pairs: one call
+    assert groups(_fp8_config(4, 16, 16, mask="none")) == (((0, 4), (0, 16)),)
+    # More query heads than a call takes: whole kv-head groups (GQA 64/8: 4 kv heads each).
+    assert groups(_fp8_config(1, 64, 8)) == (((0, 1), (0, 4)), ((0, 1), (4, 8)))
+    assert cudnn_fp8.group_config(_fp8_config(1, 64, 8), ((0, 1), (4, 8))).h_q == 32
+    monkeypatch.setenv(cudnn_fp8.ENV_CAUSAL_PAIRS, "0")
+    assert groups(_fp8_config(4, 16, 16)) == (((0, 4), (0, 16)),)
+    monkeypatch.setenv(cudnn_fp8.ENV_CAUSAL_PAIRS, "x")
+    with pytest.raises(ValueError, match=cudnn_fp8.ENV_CAUSAL_PAIRS):
+        groups(_fp8_config(4, 16, 16))
+
+
+def test_causal_fp8_backward_lowers_to_small_calls(monkeypatch):
+    """b4 h16 causal on cuDNN: one forward, the backward as two calls of b2 h16 (and
+    explain() says why)."""
+    text, _, plan = _causal_fp8_step_for_cuda(monkeypatch, (4, 256, 16, 128))
+    calls = re.findall(r"custom_call @(fusedattn_cudnn_fp8_\w+)", text)
+    assert sorted(calls) == ["fusedattn_cudnn_fp8_bwd"] * 2 + ["fusedattn_cudnn_fp8_fwd"], calls
+    assert "FP8 backward in 2 calls of at most 32 (batch, head) pairs" in plan, plan
 
 
 # ---- partitioning (8 host devices, tests/conftest.py) ------------------------------------

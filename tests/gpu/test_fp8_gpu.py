@@ -10,6 +10,7 @@ import pytest
 import fp8_cases as fc
 import fusedattn
 from fusedattn import fp8
+from fusedattn.backends import cudnn_fp8
 
 pytestmark = pytest.mark.gpu
 
@@ -44,6 +45,32 @@ def test_explicit_fp8_on_cudnn(case, out_dtype):
     # S: the kernel's probabilities (at most 1). dP: the gradient of the scaled logits.
     assert 0.0 < errors["amax_s"] <= 1.0 + 1e-3
     assert errors["amax_dp"] == pytest.approx(errors["oracle_amax_dp"], rel=fc.GRAD_TOL)
+
+
+SPLIT_CASES = [
+    fc.Fp8Case(b=4, s=256, h_q=16, h_kv=16, d=128, mask="causal"),  # 2 calls of b2
+    fc.Fp8Case(b=4, s=256, h_q=16, h_kv=16, d=128, mask="causal", padding=True, layout="sbhd"),
+    fc.Fp8Case(b=1, s=256, h_q=64, h_kv=16, d=128, mask="causal"),  # 2 calls of 32 heads
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=fc.Fp8Case.label)
+def test_causal_backward_in_small_calls(case, monkeypatch):
+    """A causal backward of 64 (batch, head) pairs runs as two calls of 32: explain()
+    says so, both API levels meet the oracle, and the gradients are one call's."""
+    q, k, v, d_out, seq = fc.inputs(case)
+    opts = dict(mask="causal", sequence=seq, layout=case.layout, precision="fp8")
+    assert "FP8 backward in 2 calls of at most 32" in str(fusedattn.explain(q, k, v, **opts))
+    fc.check_current_scaling(case, backend="cudnn")
+    fc.check_explicit(case, fp8.E4M3, backend="cudnn")
+
+    def grads():
+        return jax.vjp(lambda q, k, v: fusedattn.fused_attn(q, k, v, backend="cudnn", **opts),
+                       q, k, v)[1](d_out)
+    split = grads()
+    monkeypatch.setenv(cudnn_fp8.ENV_CAUSAL_PAIRS, "0")
+    for a, b in zip(split, grads()):
+        assert fc.rel(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)) < 1e-2
 
 
 def test_emulation_matches_cudnn():

@@ -198,6 +198,9 @@ class _CudnnBackend:
         parts = flex_chunks(config)
         lines = [cudnn_flex.describe(config)] if cudnn_flex.is_flex(config) else []
         lines += [_chunking(config).describe(config, parts)] if parts else []
+        if config.is_fp8:
+            from . import cudnn_fp8  # noqa: PLC0415 - it imports this module
+            lines.append(cudnn_fp8.split_reason(config))
         if cudnn_probe.assumed() is None:
             lines += [probe(ch.config).describe() for ch in parts[:1]] or [probe(config).describe()]
         return "\n".join(filter(None, lines))

@@ -9,16 +9,30 @@ the same way (csrc/cuda/cudnn_graph.h, kFp8Scales and the amax orders).
 """
 from __future__ import annotations
 
+import dataclasses
+import os
+from typing import Tuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import fp8
 from ..config import AttnConfig
+from ..sequence import SequenceDescriptor
 from . import cudnn
 from .base import AttnInputs
 
 _SLOT = 4  # floats per scalar row (kFp8SlotFloats)
+
+# cuDNN 9.19's FP8 backward on Hopper skips the tiles a causal mask hides only in calls
+# of few (batch, head) pairs. Its main kernel on H100, d128, causal / non-causal
+# (benchmarks/tune/fp8_kernels.py, 2026-11-24): 16 pairs (b1 s4096 h16) 257 / 495 us,
+# 32 pairs (b2 s8192 h16) 2155 / 3820 us, 64 pairs (b4 s4096 h16) 2039 / 1944 us,
+# 128 pairs (b8 s2048 h16) 1310 / 988 us; the BF16 kernel halves at every size. So a
+# causal FP8 backward runs in calls of at most this many pairs (0: one call).
+ENV_CAUSAL_PAIRS = "FUSEDATTN_FP8_CAUSAL_BWD_PAIRS"
+CAUSAL_BACKWARD_PAIRS = 32
 _FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
@@ -52,9 +66,88 @@ def fp8_forward(config: AttnConfig, q8, k8, v8, sequence, scales: fp8.Fp8Scales,
     return (o8, lse) + _amaxes(outs[-2], 2)
 
 
+def _pair_limit() -> int:
+    value = os.environ.get(ENV_CAUSAL_PAIRS, "")
+    if not value:
+        return CAUSAL_BACKWARD_PAIRS
+    if not value.isdigit():
+        raise ValueError(f"{ENV_CAUSAL_PAIRS} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+Group = Tuple[Tuple[int, int], Tuple[int, int]]  # [start, stop) of batch rows, kv heads
+
+
+def backward_groups(config: AttnConfig) -> Tuple[Group, ...]:
+    """The (batch rows, kv heads) of each call `config`'s FP8 backward runs in: one call,
+    or for a causal mask calls of at most `CAUSAL_BACKWARD_PAIRS` (batch, query head)
+    pairs, whole kv-head groups each (see above)."""
+    limit = _pair_limit()
+    b, h_q, h_kv, g = config.batch, config.h_q, config.h_kv, config.group_size
+    if not config.causal or limit == 0 or b * h_q <= limit:
+        return (((0, b), (0, h_kv)),)
+    if h_q <= limit:
+        rows = limit // h_q
+        return tuple(((i, min(i + rows, b)), (0, h_kv)) for i in range(0, b, rows))
+    heads = max(1, limit // g)
+    return tuple(((i, i + 1), (j, min(j + heads, h_kv)))
+                 for i in range(b) for j in range(0, h_kv, heads))
+
+
+def group_config(config: AttnConfig, group: Group) -> AttnConfig:
+    (b0, b1), (k0, k1) = group
+    g = config.group_size
+    return dataclasses.replace(config, batch=b1 - b0, h_q=(k1 - k0) * g, h_kv=k1 - k0)
+
+
+def split_reason(config: AttnConfig) -> str:
+    """For explain(): how the FP8 backward of `config` is split, or ''."""
+    groups = backward_groups(config)
+    if len(groups) == 1:
+        return ""
+    return (f"FP8 backward in {len(groups)} calls of at most {_pair_limit()} (batch, head) "
+            f"pairs each: cuDNN's FP8 backward skips the tiles a causal mask hides only in "
+            f"calls that small ({ENV_CAUSAL_PAIRS})")
+
+
 def fp8_backward(config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence,
                  scales: fp8.Fp8Scales):
-    """(dq8, dk8, dv8 in config.fp8_grad, (amax dq, dk, dv, dP))."""
+    """(dq8, dk8, dv8 in config.fp8_grad, (amax dq, dk, dv, dP)), from one call or, for
+    a causal mask, from calls over groups of batch rows / kv heads (`backward_groups`)."""
+    groups = backward_groups(config)
+    if len(groups) == 1 or any(cudnn.BACKEND.supports(group_config(config, gr)) is not None
+                               for gr in groups):
+        return _backward_call(config, q8, k8, v8, o8, do8, lse, sequence, scales)
+    b_axis = 1 if config.layout == "sbhd" else 0
+    g = config.group_size
+
+    def take(x, axis, start, stop):
+        return jax.lax.slice_in_dim(x, start, stop, axis=axis)
+    rows = {}  # batch range -> [(dq8, dk8, dv8)] of its head groups
+    amaxes = []
+    for group in groups:
+        (b0, b1), (k0, k1) = group
+
+        def part(x, heads):
+            return take(take(x, b_axis, b0, b1), 2, heads[0], heads[1])
+        q_heads, kv_heads = (k0 * g, k1 * g), (k0, k1)
+        seq = sequence
+        if config.is_padded:
+            seq = SequenceDescriptor.from_lengths(sequence.q_lengths[b0:b1],
+                                                  sequence.kv_lengths[b0:b1])
+        dq8, dk8, dv8, amax = _backward_call(
+            group_config(config, group), part(q8, q_heads), part(k8, kv_heads),
+            part(v8, kv_heads), part(o8, q_heads), part(do8, q_heads),
+            take(take(lse, 0, b0, b1), 1, *q_heads), seq, scales)
+        rows.setdefault((b0, b1), []).append((dq8, dk8, dv8))
+        amaxes.append(jnp.stack(amax))
+    grads = [jnp.concatenate([jnp.concatenate([parts[i] for parts in row], axis=2)
+                              for row in rows.values()], axis=b_axis) for i in range(3)]
+    return (*grads, tuple(jnp.max(jnp.stack(amaxes), axis=0)))
+
+
+def _backward_call(config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence,
+                   scales: fp8.Fp8Scales):
     static = cudnn.static_call(config)
     aux = cudnn.aux_arrays(config, AttnInputs(q8, k8, v8, sequence=sequence))
     grad = _FORMATS[config.fp8_grad]
