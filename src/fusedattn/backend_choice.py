@@ -10,8 +10,9 @@ each becomes that step's backend, both are remembered in memory and in the
 persistent cache (`fusedattn.plan_cache`, keyed by GPU model and library
 versions), and `explain()` prints the timings chosen by.
 
-Measuring costs one compilation and a few runs per rival, once per config and
-machine: about a second for a b4 s4096 h16 d128 step. A config beyond `MAX_ROWS`
+Measuring costs one compilation per step, compiled side by side, and a few runs per
+rival, once per config and machine: 0.56-0.63 s at b4 s4096 h16 (H100, 2026-11-24,
+benchmarks/tune/choice_cost.py), and a cold first auto step 1.3-1.6 s in all. A config beyond `MAX_ROWS`
 query rows is timed at a smaller batch (`measured_config`): a larger batch repeats
 the same tiles, and a sharded call's global batch need not fit on one device. ``FUSEDATTN_MEASURE=0``
 turns it off: the preference order decides (cudnn first). A measurement that
@@ -20,9 +21,11 @@ order decides.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import importlib
 import logging
+import math
 import os
 import threading
 import time
@@ -36,11 +39,12 @@ log = logging.getLogger("fusedattn")
 ENV_MEASURE = "FUSEDATTN_MEASURE"
 # Per platform, backends that may run the same configs; listed in preference order.
 RIVALS: Dict[str, Tuple[str, ...]] = {"cuda": ("cudnn", "flash")}
-# Each timing repeats a step for at least this long, best of ROUNDS interleaved rounds,
+# Each timing repeats a step for about this long, best of ROUNDS interleaved rounds,
 # after WARM_SECONDS of running every step (the GPU's clocks settle after the
 # compilations; H100, 2026-11-24: with 3 rounds and no such warm-up one run picked
-# cudnn for a causal d128 forward that FA3 runs 11% faster).
-MIN_SECONDS = 0.02
+# cudnn for a causal d128 forward that FA3 runs 11% faster). Three measurements of
+# b4 s4096 h16 d128 (benchmarks/tune/choice_stability.py) agreed within 1%.
+MIN_SECONDS = 0.01
 ROUNDS = 5
 WARM_SECONDS = 0.2
 # What stored timings mean; bumped when what or how we measure changes, so choices
@@ -227,34 +231,45 @@ def _measure(config: AttnConfig, candidates: Tuple[str, ...]):
                                                  if trains else [])
 
     calls = {name: steps(name) for name in candidates}
-    for pair in calls.values():  # compile
-        for fn, args in pair:
-            jax.block_until_ready(fn(*args))
-    steps_run = [step for pair in calls.values() for step in pair]
+    keys = [(name, i) for name, pair in calls.items() for i in range(len(pair))]
+    # Compiled side by side: XLA compiles outside the GIL, and compilation is most of
+    # a measurement's cost.
+    with concurrent.futures.ThreadPoolExecutor(len(keys)) as pool:
+        compiled = dict(zip(keys, pool.map(
+            lambda key: _compiled(*calls[key[0]][key[1]]), keys)))
+    # The warm-up also says how long each call takes, hence how many make a timing.
+    last = {}
     start = time.perf_counter()
     while time.perf_counter() - start < WARM_SECONDS:
-        for fn, args in steps_run:
+        for key, (fn, args) in compiled.items():
+            t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
-    best = {(name, i): float("inf") for name, pair in calls.items() for i in range(len(pair))}
+            last[key] = time.perf_counter() - t0
+    reps = {key: min(1024, max(1, math.ceil(MIN_SECONDS / max(last[key], 1e-6))))
+            for key in keys}
+    best = {key: float("inf") for key in keys}
     for _ in range(ROUNDS):
-        for name, pair in calls.items():
-            for i, (fn, args) in enumerate(pair):
-                best[name, i] = min(best[name, i], _seconds_per_call(fn, args))
+        for key, (fn, args) in compiled.items():
+            best[key] = min(best[key], _seconds_per_call(fn, args, reps[key]))
     return [(name, best[name, 0], best.get((name, 1))) for name in candidates]
 
 
-def _seconds_per_call(fn, args) -> float:
+def _compiled(fn, args):
+    """(fn compiled for args, args), run once (a step that cannot run raises here)."""
     import jax  # noqa: PLC0415
-    n, elapsed = 1, 0.0
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        elapsed = time.perf_counter() - t0
-        if isinstance(out, jax.core.Tracer) or any(
-                isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(out)):
-            raise RuntimeError("measurement was staged into a trace instead of running")
-        if elapsed >= MIN_SECONDS or n >= 1024:
-            return elapsed / n
-        n *= 2
+    executable = fn.lower(*args).compile()
+    jax.block_until_ready(executable(*args))
+    return executable, args
+
+
+def _seconds_per_call(fn, args, n: int) -> float:
+    import jax  # noqa: PLC0415
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    elapsed = time.perf_counter() - t0
+    if isinstance(out, jax.core.Tracer) or any(
+            isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(out)):
+        raise RuntimeError("measurement was staged into a trace instead of running")
+    return elapsed / n
