@@ -21,20 +21,30 @@ from fp8_layouts import Graph  # noqa: E402
 REPS = 5
 
 
-def kernels(graph):
-    """[(kernel name, mean microseconds per run)] of the graph's first plan."""
-    graph.run(graph.plans[0], 3)
-    cp.cuda.Device().synchronize()
-    torch.cuda.synchronize()
+def profiled(run_once, reps: int = REPS):
+    """[(kernel name, mean microseconds per run)] of `run_once()` (which waits for its
+    kernels), run `reps` times under the profiler."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.run(graph.plans[0], REPS)
-        cp.cuda.Device().synchronize()
+        for _ in range(reps):
+            run_once()
     total = collections.defaultdict(float)
     for avg in prof.key_averages():
         us = getattr(avg, "self_device_time_total", 0.0)
         if us > 0:
-            total[avg.key] += us / REPS
+            total[avg.key] += us / reps
     return sorted(total.items(), key=lambda kv: -kv[1])
+
+
+def kernels(graph):
+    """`profiled` kernels of the graph's first plan."""
+    graph.run(graph.plans[0], 3)
+    cp.cuda.Device().synchronize()
+    torch.cuda.synchronize()
+
+    def run_once():
+        graph.run(graph.plans[0], 1)
+        cp.cuda.Device().synchronize()
+    return profiled(run_once)
 
 
 def main():

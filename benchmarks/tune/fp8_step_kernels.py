@@ -8,35 +8,25 @@ the process, XLA's fusions and cuDNN's alike); prints each kernel's mean time pe
 """
 from __future__ import annotations
 
-import collections
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+sys.path.insert(0, os.path.dirname(__file__))
 from common import fwd_bwd, warmed  # noqa: E402
+from fp8_kernels import profiled  # noqa: E402
 
 import fusedattn  # noqa: E402
-
-REPS = 5
 
 
 def kernels(fn, args):
     fn = warmed(fn, *args)
     jax.block_until_ready(fn(*args))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(REPS):
-            jax.block_until_ready(fn(*args))
-    total = collections.defaultdict(float)
-    for avg in prof.key_averages():
-        us = getattr(avg, "self_device_time_total", 0.0)
-        if us > 0:
-            total[avg.key] += us / REPS
-    return sorted(total.items(), key=lambda kv: -kv[1])
+    return profiled(lambda: jax.block_until_ready(fn(*args)))
 
 
 def main():
