@@ -176,6 +176,14 @@ def test_causal_fp8_backward_groups(monkeypatch):
         groups(_fp8_config(4, 16, 16))
 
 
+def test_a_refused_split_runs_one_call_and_says_why(monkeypatch):
+    monkeypatch.setattr(cudnn.BACKEND, "supports",
+                        lambda c: "too small here" if c.batch < 4 else None)
+    groups, why = cudnn_fp8.backward_split(_fp8_config(4, 16, 16))
+    assert groups == (((0, 4), (0, 16)),)
+    assert "FP8 backward in one call: cuDNN refuses" in why and "too small here" in why
+
+
 def test_causal_fp8_backward_lowers_to_small_calls(monkeypatch):
     """b4 h16 causal on cuDNN: one forward, the backward as two calls of b2 h16 (and
     explain() says why)."""

@@ -12,10 +12,11 @@ versions), and `explain()` prints the timings chosen by.
 
 Measuring costs one compilation per step, compiled side by side, and a few runs per
 rival, once per config and machine: 0.56-0.63 s at b4 s4096 h16 (H100, 2026-11-24,
-benchmarks/tune/choice_cost.py), and a cold first auto step 1.3-1.6 s in all. A config beyond `MAX_ROWS`
-query rows is timed at a smaller batch (`measured_config`): a larger batch repeats
-the same tiles, and a sharded call's global batch need not fit on one device. ``FUSEDATTN_MEASURE=0``
-turns it off: the preference order decides (cudnn first). A measurement that
+benchmarks/tune/choice_cost.py), and a cold first auto step 1.3-1.6 s in all. A
+config beyond `MAX_ROWS` query rows is timed at a smaller batch (`measured_config`):
+a larger batch repeats the same tiles, and a sharded call's global batch need not fit
+on one device. ``FUSEDATTN_MEASURE=0`` turns it off: the preference order decides
+(cudnn first). A measurement that
 fails (out of memory, a kernel error) is stated in the plan and the preference
 order decides.
 """

@@ -200,7 +200,7 @@ class _CudnnBackend:
         lines += [_chunking(config).describe(config, parts)] if parts else []
         if config.is_fp8:
             from . import cudnn_fp8  # noqa: PLC0415 - it imports this module
-            lines.append(cudnn_fp8.split_reason(config))
+            lines.append(cudnn_fp8.backward_split(config)[1])
         if cudnn_probe.assumed() is None:
             lines += [probe(ch.config).describe() for ch in parts[:1]] or [probe(config).describe()]
         return "\n".join(filter(None, lines))

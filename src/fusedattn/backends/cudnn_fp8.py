@@ -100,23 +100,30 @@ def group_config(config: AttnConfig, group: Group) -> AttnConfig:
     return dataclasses.replace(config, batch=b1 - b0, h_q=(k1 - k0) * g, h_kv=k1 - k0)
 
 
-def split_reason(config: AttnConfig) -> str:
-    """For explain(): how the FP8 backward of `config` is split, or ''."""
+def backward_split(config: AttnConfig) -> Tuple[Tuple[Group, ...], str]:
+    """The groups `config`'s FP8 backward runs in (`backward_groups`, unless cuDNN
+    refuses a group's config: then one call), and what explain() says of them."""
     groups = backward_groups(config)
     if len(groups) == 1:
-        return ""
-    return (f"FP8 backward in {len(groups)} calls of at most {_pair_limit()} (batch, head) "
-            f"pairs each: cuDNN's FP8 backward skips the tiles a causal mask hides only in "
-            f"calls that small ({ENV_CAUSAL_PAIRS})")
+        return groups, ""
+    limit = _pair_limit()
+    for group in groups:
+        why = cudnn.BACKEND.supports(group_config(config, group))
+        if why is not None:
+            return ((((0, config.batch), (0, config.h_kv)),),
+                    f"FP8 backward in one call: cuDNN refuses the calls of at most {limit} "
+                    f"(batch, head) pairs it would run in ({why})")
+    return groups, (f"FP8 backward in {len(groups)} calls of at most {limit} (batch, head) "
+                    f"pairs each: cuDNN's FP8 backward skips the tiles a causal mask hides "
+                    f"only in calls that small ({ENV_CAUSAL_PAIRS})")
 
 
 def fp8_backward(config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence,
                  scales: fp8.Fp8Scales):
     """(dq8, dk8, dv8 in config.fp8_grad, (amax dq, dk, dv, dP)), from one call or, for
-    a causal mask, from calls over groups of batch rows / kv heads (`backward_groups`)."""
-    groups = backward_groups(config)
-    if len(groups) == 1 or any(cudnn.BACKEND.supports(group_config(config, gr)) is not None
-                               for gr in groups):
+    a causal mask, from calls over groups of batch rows / kv heads (`backward_split`)."""
+    groups, _ = backward_split(config)
+    if len(groups) == 1:
         return _backward_call(config, q8, k8, v8, o8, do8, lse, sequence, scales)
     b_axis = 1 if config.layout == "sbhd" else 0
     g = config.group_size
