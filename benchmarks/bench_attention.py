@@ -132,9 +132,10 @@ def bench(shapes):
             if ours and best:
                 row["x best anchor"] = ours / best
             plan = fusedattn.explain(q, k, v, mask=cfg.mask)
-            row["auto_chose"] = (plan.choice.inference if mode == "fwd" else plan.choice.training) \
-                if plan.choice else plan.chosen
-            row["auto_timings_ms"] = plan.choice.timings if plan.choice else None
+            choice = plan.rivals.choice("inference" if mode == "fwd" else "training") \
+                if plan.rivals else None
+            row["auto_chose"] = choice.backend if choice else plan.chosen
+            row["auto_timings_ms"] = choice.timings if choice else None
             rows.append(row)
             print(f"  {name} causal={cfg.causal} {mode}: " + ", ".join(
                 f"{i}={row.get(i) and round(row[i])}" for i in implementations(cfg.causal)),

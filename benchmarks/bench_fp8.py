@@ -54,47 +54,6 @@ def implementations(causal: bool):
     return impls
 
 
-class _RawCudnnFp8:
-    """cudnn-frontend's Python graph of sdpa_fp8 on cupy buffers: no JAX, no FFI."""
-
-    def __init__(self, b, s, h, d, causal):
-        import cudnn
-        import cupy as cp
-        self.cp = cp
-        dt = cudnn.data_type
-        self.handle = cudnn.create_handle()
-        g = cudnn.pygraph(io_data_type=dt.FP8_E4M3, intermediate_data_type=dt.FLOAT,
-                          compute_data_type=dt.FLOAT, handle=self.handle)
-        dims, strides = [b, h, s, d], [s * h * d, d, h * d, 1]
-        qkv = [g.tensor(name=n, dim=dims, stride=strides, data_type=dt.FP8_E4M3) for n in "QKV"]
-        scal = [g.tensor(name=n, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=dt.FLOAT)
-                for n in ("dq", "dk", "dv", "ds", "ss", "so")]
-        o, _, amax_s, amax_o = g.sdpa_fp8(*qkv, *scal, generate_stats=False,
-                                          attn_scale=d ** -0.5, use_causal_mask=causal)
-        o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(dt.FP8_E4M3)
-        for a in (amax_s, amax_o):
-            a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(dt.FLOAT)
-        g.validate()
-        g.build_operation_graph()
-        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-        g.check_support()
-        g.build_plans()
-        n = b * s * h * d
-        self.buffers = {t: cp.ones(n, cp.uint8) * 56 for t in qkv + [o]}  # 56: E4M3 1.0
-        self.buffers.update({t: cp.ones(4, cp.float32) for t in scal + [amax_s, amax_o]})
-        self.workspace = cp.empty(max(g.get_workspace_size(), 1), cp.uint8)
-        self.pack = {t: buf.data.ptr for t, buf in self.buffers.items()}
-        self.graph = g
-
-    def __call__(self):
-        self.graph.execute(self.pack, self.workspace.data.ptr, handle=self.handle)
-        return self
-
-    def block_until_ready(self):
-        self.cp.cuda.Device().synchronize()
-        return self
-
-
 def bench(shape):
     name, b, s, hq, hkv, d = shape
     q, k, v, do = _inputs(b, s, hq, hkv, d)
@@ -116,7 +75,10 @@ def bench(shape):
                 row[impl], notes[f"{impl} {mode}"] = None, why
         if mode == "fwd":
             try:
-                raw = _RawCudnnFp8(b, s, hq, d, causal)
+                from cudnn_graphs import Graph, RawCall  # noqa: PLC0415 - optional bindings
+                raw = RawCall(Graph(b, s, hq, d, causal, fp8=True, qko_layout="bshd",
+                                    v_layout="bshd", stats=False, random=False,
+                                    modes=("A", "FALLBACK")))
             except Exception as e:  # noqa: BLE001 - no cudnn-frontend Python bindings
                 notes["cudnn-fe-fp8"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             else:

@@ -28,67 +28,85 @@ def fresh(tmp_path, monkeypatch):
 
 
 class Measure:
+    """A fake measurement: `timings[name]` = (forward s, forward+backward s)."""
     def __init__(self, timings):
-        self.timings, self.calls = timings, 0
+        self.timings, self.calls = timings, []
 
-    def __call__(self, config, candidates):
-        self.calls += 1
-        return [(name, *self.timings[name]) for name in candidates]
+    def __call__(self, config, candidates, step):
+        self.calls.append(step)
+        return [(name, self.timings[name][backend_choice.STEPS.index(step)])
+                for name in candidates]
 
 
-def test_each_step_gets_its_fastest_backend():
+def choose(step, m, identity=None):
+    return backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), step, m, identity=identity)
+
+
+def test_each_step_gets_its_fastest_backend_measured_once():
     m = Measure({"cudnn": (1.0e-3, 4.0e-3), "flash": (1.1e-3, 3.5e-3)})
-    choice = backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=None)
-    assert (choice.inference, choice.training) == ("cudnn", "flash")
-    assert choice.timings == (("cudnn", 1.0, 4.0), ("flash", 1.1, 3.5))  # ms
-    assert "inference -> cudnn, training -> flash" in choice.describe()
-    again = backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=None)
-    assert again is choice and m.calls == 1  # once per config
+    inference, training = choose("inference", m), choose("training", m)
+    assert (inference.backend, training.backend) == ("cudnn", "flash")
+    assert inference.timings == (("cudnn", 1.0), ("flash", 1.1))  # ms
+    assert training.timings == (("cudnn", 4.0), ("flash", 3.5))
+    assert training.describe() == ("training (forward+backward: cudnn 4.000 ms, flash 3.500 "
+                                   "ms; measured now) -> flash")
+    assert choose("training", m) is training and m.calls == ["inference", "training"]
+    with pytest.raises(ValueError, match="step must be one of"):
+        choose("backward", m)
 
 
 def test_ties_go_to_the_preferred_backend():
     m = Measure({"cudnn": (1e-3, 2e-3), "flash": (1e-3, 2e-3)})
-    choice = backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m)
-    assert (choice.inference, choice.training) == ("cudnn", "cudnn")
+    assert choose("inference", m).backend == choose("training", m).backend == "cudnn"
 
 
 def test_a_choice_persists_for_the_next_process_on_the_same_machine():
     ident = {"gpu": "H100", "cudnn": "9.19.0"}
     m = Measure({"cudnn": (2e-3, 5e-3), "flash": (1e-3, 4e-3)})
-    first = backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident)
+    first = choose("training", m, ident)
     backend_choice.clear()  # a new process
-    later = backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident)
-    assert m.calls == 1 and later.source == "persistent cache"
-    assert (later.inference, later.training, later.timings) == \
-        (first.inference, first.training, first.timings)
+    later = choose("training", m, ident)
+    assert m.calls == ["training"] and later.source == "persistent cache"
+    assert (later.backend, later.timings) == (first.backend, first.timings)
+    choose("inference", m, ident)  # the other step was never measured
     backend_choice.clear()
-    backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity={**ident, "gpu": "H200"})
-    assert m.calls == 2  # another GPU measures again
+    choose("training", m, {**ident, "gpu": "H200"})
+    assert m.calls == ["training", "inference", "training"]  # another GPU measures again
 
 
 def test_a_damaged_stored_choice_is_measured_again():
     ident = {"gpu": "H100"}
     m = Measure({"cudnn": (2e-3, 5e-3), "flash": (1e-3, 4e-3)})
-    backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident)
-    disk = backend_choice.stored_identity(ident, BASE, ("cudnn", "flash"))
-    plan_cache.store_json(disk, [["cudnn", -1, 5.0], ["flash", 1.0, 4.0]])
+    choose("training", m, ident)
+    disk = backend_choice.stored_identity(ident, BASE, ("cudnn", "flash"), "training")
+    plan_cache.store_json(disk, [["cudnn", -1], ["flash", 4.0]])
     backend_choice.clear()
-    assert backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident).source \
-        == "measured now"
-    assert m.calls == 2
+    assert choose("training", m, ident).source == "measured now"
+    assert len(m.calls) == 2
 
 
 def test_a_choice_stored_by_an_earlier_revision_is_measured_again():
-    """Entries from before flash trained every config (no revision in their key) held
-    no flash training time; they must not decide today's training backend."""
+    """Entries of revision 2 held both steps in one entry; those from before flash
+    trained every config (no revision in their key) no flash training time. Neither
+    decides today's choice."""
     ident = {"gpu": "H100"}
-    old = {**ident, "what": "backend-choice", "config": repr(BASE),
-           "candidates": ["cudnn", "flash"]}
-    plan_cache.store_json(old, [["cudnn", 2.0, 5.0], ["flash", 1.0, None]])
+    for old in ({**ident, "what": "backend-choice", "config": repr(BASE),
+                 "candidates": ["cudnn", "flash"]},
+                {**ident, "what": "backend-choice", "revision": 2, "config": repr(BASE),
+                 "candidates": ["cudnn", "flash"]}):
+        plan_cache.store_json(old, [["cudnn", 2.0, 5.0], ["flash", 1.0, None]])
     m = Measure({"cudnn": (2e-3, 5e-3), "flash": (1e-3, 4e-3)})
-    choice = backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident)
-    assert choice.source == "measured now" and choice.training == "flash"
-    assert m.calls == 1
+    choice = choose("training", m, ident)
+    assert choice.source == "measured now" and choice.backend == "flash"
+
+
+def test_a_failed_measurement_leaves_the_preference_and_says_why():
+    def broken(config, candidates, step):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore")
+    choice = choose("training", broken, {"gpu": "H100"})
+    assert choice.backend == "cudnn" and choice.timings == ()
+    assert "measuring cudnn and flash failed (RuntimeError: RESOURCE_EXHAUSTED: out of " \
+        "memory): preference order decides" in choice.describe()
 
 
 def test_rivals_only_when_the_group_leads_and_has_two():
@@ -111,32 +129,59 @@ def _fake_rivals(monkeypatch):
     monkeypatch.setattr(dispatch, "load_backend", fake)
 
 
-def test_dispatch_measures_rivals_and_explain_shows_the_timings(monkeypatch):
+def test_dispatch_measures_each_step_when_first_needed_and_explain_shows_it(monkeypatch):
     _fake_rivals(monkeypatch)
     m = Measure({"cudnn": (1.0e-3, 4.0e-3), "flash": (1.2e-3, 3.0e-3)})
     monkeypatch.setattr(backend_choice, "measure_on_device", m)
     plan = dispatch.plan(build_call(Q, Q, Q)[0], platform="cuda")
-    assert plan.chosen == "flash" and plan.choice.inference == "cudnn"
+    assert m.calls == []  # planning measures nothing
+    assert plan.chosen == "flash" and m.calls == ["training"]
     text = str(plan)
-    assert "measured forward / forward+backward (measured now)" in text
-    assert "cudnn 1.000 / 4.000 ms" in text and "flash 1.200 / 3.000 ms" in text
+    assert m.calls == ["training", "inference"]
+    assert "measured: inference (forward: cudnn 1.000 ms, flash 1.200 ms; measured now) " \
+        "-> cudnn" in text
+    assert "measured: training (forward+backward: cudnn 4.000 ms, flash 3.000 ms; " \
+        "measured now) -> flash" in text
     # a forced backend is never measured
-    assert dispatch.plan(build_call(Q, Q, Q, mask="causal")[0], "cudnn", "cuda").choice is None
-    assert m.calls == 1
+    assert dispatch.plan(build_call(Q, Q, Q, mask="causal")[0], "cudnn", "cuda").rivals is None
+    assert len(m.calls) == 2
 
 
-def test_plan_runs_a_split_choice_through_native_call_with_both_backends(monkeypatch):
+def _traced_steps(monkeypatch, timings):
+    """A plan between fake rivals whose native calls record (step, backend) as traced."""
     _fake_rivals(monkeypatch)
-    monkeypatch.setattr(backend_choice, "measure_on_device",
-                        Measure({"cudnn": (1e-3, 4e-3), "flash": (2e-3, 3e-3)}))
+    m = Measure(timings)
+    monkeypatch.setattr(backend_choice, "measure_on_device", m)
     seen = []
-    monkeypatch.setattr(native_call, "attention",
-                        lambda backend, config, inputs: (seen.append(backend) or ("out", None)))
-    config, inputs = build_call(jnp.ones((2, 128, 4, 64), jnp.bfloat16),
-                                jnp.ones((2, 128, 4, 64), jnp.bfloat16),
-                                jnp.ones((2, 128, 4, 64), jnp.bfloat16))
-    plan = dispatch.plan(config, platform="cuda")
-    assert plan.attention(inputs) == "out" and seen == [("cudnn", "flash")]
+
+    def forward(backend, config, inputs, training):
+        seen.append(("training" if training else "inference", backend))
+        return inputs.q, (jnp.zeros(inputs.q.shape[:3], jnp.float32) if training else None)
+
+    def backward(backend, config, inputs, out, lse, d_out):
+        seen.append(("backward", backend))
+        return inputs._replace(q=d_out, k=jnp.zeros_like(inputs.k), v=jnp.zeros_like(inputs.v))
+    monkeypatch.setattr(native_call, "forward", forward)
+    monkeypatch.setattr(native_call, "backward", backward)
+    x = jnp.ones((2, 128, 4, 64), jnp.bfloat16)
+    config, inputs = build_call(x, x, x)
+    return dispatch.plan(config, platform="cuda"), inputs, m, seen
+
+
+def test_a_training_step_measures_and_runs_only_the_training_choice(monkeypatch):
+    plan, inputs, m, seen = _traced_steps(
+        monkeypatch, {"cudnn": (1e-3, 4e-3), "flash": (2e-3, 3e-3)})
+    jax.jit(jax.grad(lambda q: plan.attention(inputs._replace(q=q)).astype(
+        jnp.float32).sum()))(inputs.q)
+    assert m.calls == ["training"]
+    assert seen == [("training", "flash"), ("backward", "flash")]
+
+
+def test_a_call_without_gradient_measures_and_runs_only_the_inference_choice(monkeypatch):
+    plan, inputs, m, seen = _traced_steps(
+        monkeypatch, {"cudnn": (1e-3, 4e-3), "flash": (2e-3, 3e-3)})
+    jax.jit(lambda q: plan.attention(inputs._replace(q=q)))(inputs.q)
+    assert m.calls == ["inference"] and seen == [("inference", "cudnn")]
 
 
 def test_measuring_off_or_failing_keeps_the_preference_order_and_says_so(monkeypatch):
@@ -144,12 +189,12 @@ def test_measuring_off_or_failing_keeps_the_preference_order_and_says_so(monkeyp
     cfg = build_call(Q, Q, Q)[0]
     monkeypatch.setenv(backend_choice.ENV_MEASURE, "0")
     plan = dispatch.plan(cfg, platform="cuda")
-    assert plan.chosen == "cudnn" and plan.choice is None
+    assert plan.chosen == "cudnn" and plan.rivals is None
     assert "FUSEDATTN_MEASURE=0" in str(plan)
     monkeypatch.setenv(backend_choice.ENV_MEASURE, "1")
     dispatch.clear_cache()
 
-    def broken(config, candidates):
+    def broken(config, candidates, step):
         raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
     monkeypatch.setattr(backend_choice, "measure_on_device", broken)
     plan = dispatch.plan(cfg, platform="cuda")
@@ -201,17 +246,6 @@ def test_flash_on_a_machine_without_it_says_how_to_get_it():
     assert why is not None and ("flash-attn3-jax" in why or "Hopper" in why)
 
 
-def test_a_backend_that_must_not_train_is_chosen_only_for_inference():
-    ident = {"gpu": "H100"}
-    m = Measure({"cudnn": (1.0e-3, 4.0e-3), "flash": (0.9e-3, None)})
-    choice = backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident)
-    assert (choice.inference, choice.training) == ("flash", "cudnn")
-    assert "flash 0.900 / n/a ms" in choice.describe()
-    backend_choice.clear()
-    stored = backend_choice.choose(BASE, "cuda", ("cudnn", "flash"), m, identity=ident)
-    assert stored.source == "persistent cache" and stored.training == "cudnn"
-
-
 def test_measuring_inside_a_jit_trace_runs_the_calls():
     """Dispatch measures while the user's function is being traced: the timed calls
     must execute (on their own thread), not be staged into that trace."""
@@ -220,11 +254,23 @@ def test_measuring_inside_a_jit_trace_runs_the_calls():
     found = []
 
     def traced(x):
-        found.append(backend_choice.measure_on_device(config, ("xla",)))
+        found.extend(backend_choice.measure_on_device(config, ("xla",), step)[0]
+                     for step in backend_choice.STEPS)
         return x
     jax.jit(traced)(1.0)
-    (name, fwd, step), = found[0]
+    (name, fwd), (_, step) = found
     assert name == "xla" and fwd > 1e-6 and step > fwd
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_timing_inputs_are_random_numbers_of_sane_size(dtype):
+    import numpy as np
+    a, b = backend_choice._random_inputs(((64, 128), (64, 128)), jnp.dtype(dtype))
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.dtype == np.float32 and a.shape == (64, 128)
+    assert 0.125 <= np.abs(a).min() and np.abs(a).max() < 2  # no zeros, infs or NaNs
+    assert 0.4 < (a < 0).mean() < 0.6 and len(np.unique(a)) > 1000
+    assert not np.array_equal(a, b) and not np.array_equal(a[:, 1:], b[:, :-1])
 
 
 def test_a_large_config_is_timed_at_a_smaller_batch():
@@ -232,10 +278,10 @@ def test_a_large_config_is_timed_at_a_smaller_batch():
     big = dataclasses.replace(BASE, batch=64, s_q=4096, s_kv=4096, h_q=32, h_kv=32)
     seen = []
 
-    def measure(config, candidates):
+    def measure(config, candidates, step):
         seen.append(config)
-        return [(name, 1e-3, 2e-3) for name in candidates]
-    choice = backend_choice.choose(big, "cuda", ("cudnn", "flash"), measure)
+        return [(name, 1e-3) for name in candidates]
+    choice = backend_choice.choose(big, "cuda", ("cudnn", "flash"), "training", measure)
     assert seen[0] == dataclasses.replace(big, batch=4)  # 4 x 32 x 4096 = MAX_ROWS
     assert "at batch 4 of 64" in choice.describe()
     assert backend_choice.measured_config(BASE) is BASE

@@ -28,9 +28,10 @@ def main():
         cfg = AttnConfig(batch=B, s_q=S, s_kv=S, h_q=H, h_kv=H, d_qk=D, d_v=D,
                          dtype="bfloat16", mask=mask)
         for i in range(3):
-            t = backend_choice.measure_on_device(cfg, ("cudnn", "flash"))
-            print(f"{mask} measure {i}: " + ", ".join(
-                f"{n} {f * 1e3:.3f} / {s * 1e3:.3f} ms" for n, f, s in t), flush=True)
+            for what in backend_choice.STEPS:
+                t = backend_choice.measure_on_device(cfg, ("cudnn", "flash"), what)
+                print(f"{mask} measure {i} {what}: " + ", ".join(
+                    f"{n} {s * 1e3:.3f} ms" for n, s in t), flush=True)
         for mode in ("fwd", "fwd+bwd"):
             calls = {}
             for name in ("cudnn", "flash"):

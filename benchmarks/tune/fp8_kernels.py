@@ -1,5 +1,5 @@
 """Which kernels does cuDNN launch for an FP8 (and a BF16) attention graph, and how long
-does each take? cudnn-frontend's own graphs (fp8_layouts.Graph, the heuristics' first
+does each take? cudnn-frontend's own graphs (cudnn_graphs.Graph, the heuristics' first
 plan), each run a few times under torch.profiler (CUPTI sees every kernel of the
 process, whoever launched it).
 
@@ -15,8 +15,8 @@ import cupy as cp
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(__file__))
-from fp8_layouts import Graph  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from cudnn_graphs import Graph  # noqa: E402
 
 REPS = 5
 

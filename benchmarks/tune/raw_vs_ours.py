@@ -1,7 +1,7 @@
 """Where do our cuDNN calls lose against cudnn-frontend's own graph of the same shape?
 
 One process, one timing method (benchmarks/common.py's wall-clock rounds, round-robin):
-cudnn-frontend's Python graphs (fp8_layouts.Graph, cupy buffers, the heuristics' first
+cudnn-frontend's Python graphs (cudnn_graphs.Graph, cupy buffers, the heuristics' first
 plan) beside fused_attn's forward (bf16 and precision="fp8"), fp8.attention on FP8
 tensors, and jax.nn's cuDNN. Prints the compiled HLO's ops of our calls, so an extra
 kernel around the custom call shows, and the plan each of our graphs ran.
@@ -17,30 +17,13 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-sys.path.insert(0, os.path.dirname(__file__))
 from common import time_interleaved, warmed  # noqa: E402
-from fp8_layouts import Graph  # noqa: E402
+from cudnn_graphs import Graph, RawCall  # noqa: E402
 
 import fusedattn  # noqa: E402
 from fusedattn import fp8  # noqa: E402
 
 B, S, H, D = 4, 4096, 16, 128
-
-
-class RawCall:
-    """A Graph's first plan as a `fn()` the wall-clock timer can call."""
-
-    def __init__(self, graph):
-        self.graph = graph
-
-    def __call__(self):
-        self.graph.run(self.graph.plans[0], 1)
-        return self
-
-    def block_until_ready(self):
-        import cupy as cp
-        cp.cuda.Device().synchronize()
-        return self
 
 
 def hlo_ops(fn, *args):

@@ -7,7 +7,8 @@ raised, so a broken optional backend never hides the XLA fallback.
 
 Where backends of a rival group (`backend_choice.RIVALS`: cudnn and flash on CUDA)
 can both run a config, `auto` picks by a measurement on this GPU, separately for
-calls without a gradient and for training steps; the plan shows the timings.
+calls without a gradient and for training steps, each when a call first needs it
+(`MeasuredRivals`); the plan shows the timings.
 """
 from __future__ import annotations
 
@@ -59,20 +60,46 @@ def load_backend(name: str):
 
 
 @dataclasses.dataclass(frozen=True)
+class MeasuredRivals:
+    """Rival backends that all run `config`. Each step (`backend_choice.STEPS`) runs the
+    one a measurement on this GPU found fastest, measured the first time a call needs
+    that step: `native_call` asks at trace time, so a training job never times
+    forward-only calls it does not make. Hashable: it rides in custom_vjp's static
+    arguments."""
+    config: AttnConfig
+    platform: str
+    candidates: Tuple[str, ...]
+
+    def choice(self, step: str) -> backend_choice.Choice:
+        return backend_choice.choose(self.config, self.platform, self.candidates, step,
+                                     identity=backend_choice.machine_identity())
+
+    def for_step(self, step: str) -> str:
+        return self.choice(step).backend
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What dispatch decided: the chosen backend and, for every backend, why (not)."""
     config: AttnConfig
     platform: str
     requested: str
-    chosen: Optional[str]
+    # The forced backend, or the first usable one (None: no backend can run the config).
+    preferred: Optional[str]
     reasons: Tuple[Tuple[str, Optional[str]], ...]  # (backend, None if usable else reason)
     # The distributed plan (context parallelism, or the batch / head split of sharded
     # inputs given to explain()), as lines of text; "" for a single-device call.
     distributed: str = ""
-    # A measured choice between rival backends (`backend_choice`); `chosen` is then its
-    # training backend. `measure_note`: why no measurement decided, where one could have.
-    choice: Optional[backend_choice.Choice] = None
+    # Rival backends chosen between per step by measurement (`backend_choice`), or
+    # None; `measure_note`: why no measurement decides, where one could have.
+    rivals: Optional[MeasuredRivals] = None
     measure_note: str = ""
+
+    @property
+    def chosen(self) -> Optional[str]:
+        """The backend that runs; between measured rivals, the one that trains (asking
+        measures the training step if no call has yet)."""
+        return self.rivals.for_step("training") if self.rivals else self.preferred
 
     @property
     def backend(self):
@@ -81,20 +108,17 @@ class Plan:
         return load_backend(self.chosen)
 
     def attention(self, inputs):
-        """Run the plan: the chosen backend, or under a measured choice its inference
-        backend for calls without a gradient and its training backend for the rest."""
-        choice = self.choice
-        if choice is not None and choice.inference != choice.training:
+        """Run the plan: the chosen backend, or between measured rivals the one each
+        step's measurement picked."""
+        if self.rivals is not None:
             from .backends import native_call  # noqa: PLC0415
-            self.backend  # noqa: B018 - raises UnsupportedError with every reason
-            return native_call.attention((choice.inference, choice.training), self.config,
-                                         inputs)[0]
+            return native_call.attention(self.rivals, self.config, inputs)[0]
         return self.backend.attention(self.config, inputs)
 
     def _runs(self) -> List[str]:
-        """The backends this plan runs: the chosen one, or both of a measured choice."""
-        if self.choice is not None:
-            return list(dict.fromkeys((self.choice.inference, self.choice.training)))
+        """The backends this plan runs: the chosen one, or each step's between rivals."""
+        if self.rivals is not None:
+            return list(dict.fromkeys(self.rivals.for_step(s) for s in backend_choice.STEPS))
         return [self.chosen] if self.chosen else []
 
     def _details(self, name: str) -> str:
@@ -118,8 +142,9 @@ class Plan:
     def __str__(self) -> str:
         head = f"fusedattn plan on {self.platform} for {self.config.short()}"
         lines = [head, self.table()]
-        if self.choice is not None:
-            lines.append(self.choice.describe())
+        if self.rivals is not None:
+            lines += ["measured: " + self.rivals.choice(s).describe()
+                      for s in backend_choice.STEPS]
         if self.measure_note:
             lines.append(self.measure_note)
         lines += filter(None, (self._details(name) for name in self._runs()))
@@ -174,41 +199,32 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
     preferred = PREFERENCE.get(platform, ("xla",))
     order: List[str] = list(preferred) + [n for n in ALL_BACKENDS if n not in preferred]
     reasons = tuple((name, _reason(name, config, platform, context_parallel)) for name in order)
-    choice, measure_note = None, ""
+    rivals, measure_note = None, ""
     if requested == "auto":
         chosen = next((n for n, r in reasons if r is None), None)
         candidates = backend_choice.rivals(platform, [n for n, r in reasons if r is None])
         if candidates and context_parallel is None:
-            choice, measure_note = _measured(config, platform, candidates)
-            chosen = choice.training if choice is not None else chosen
+            if backend_choice.enabled():
+                rivals = MeasuredRivals(config, platform, candidates)
+            else:
+                measure_note = (f"{' and '.join(candidates)} both run this config; not "
+                                f"measured ({backend_choice.ENV_MEASURE}=0): preference "
+                                f"order decides")
     else:
         chosen = requested if dict(reasons)[requested] is None else None
     distributed = ""
     if context_parallel is not None:
         from . import context_parallel as cp_module  # noqa: PLC0415
         distributed = cp_module.describe(config, context_parallel)
-    result = Plan(config, platform, requested, chosen, reasons, distributed, choice,
+    result = Plan(config, platform, requested, chosen, reasons, distributed, rivals,
                   measure_note)
     with _plans_lock:
         if key not in _plans:
-            log.info("fusedattn: %s on %s -> %s", config.short(), platform, chosen or "no backend")
+            log.info("fusedattn: %s on %s -> %s", config.short(), platform,
+                     f"measured per step among {rivals.candidates}" if rivals
+                     else chosen or "no backend")
         _plans[key] = result
     return result
-
-
-def _measured(config: AttnConfig, platform: str, candidates):
-    """(the measured choice or None, why not) among rival backends."""
-    if not backend_choice.enabled():
-        return None, (f"{' and '.join(candidates)} both run this config; not measured "
-                      f"({backend_choice.ENV_MEASURE}=0): preference order decides")
-    try:
-        return backend_choice.choose(config, platform, candidates,
-                                     identity=backend_choice.machine_identity()), ""
-    except Exception as e:  # out of memory, a kernel error: say so, keep the preference
-        log.warning("fusedattn: measuring %s for %s failed: %s", candidates, config.short(), e)
-        return None, (f"measuring {' and '.join(candidates)} failed ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:200] if str(e) else ''}): preference order "
-                      f"decides")
 
 
 def clear_cache() -> None:

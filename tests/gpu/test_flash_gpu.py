@@ -91,9 +91,12 @@ def test_against_float64_reference(case):
 def test_a_plan_can_run_cudnn_for_inference_and_flash_for_training():
     built = ac.build(next(c.values[0] for c in CASES if c.id == "causal"))
     config, inputs = build_call(built.q, built.k, built.v, mask="causal")
-    plan = dataclasses.replace(
-        dispatch.plan(config, "cudnn"),
-        choice=backend_choice.Choice("cudnn", "flash", (), "test"))
+
+    @dataclasses.dataclass(frozen=True)
+    class Fixed:  # what a measurement picking cudnn to infer and flash to train gives
+        def for_step(self, step):
+            return {"inference": "cudnn", "training": "flash"}[step]
+    plan = dataclasses.replace(dispatch.plan(config, "cudnn"), rivals=Fixed())
 
     def run(q, k, v):
         return plan.attention(inputs._replace(q=q, k=k, v=v))
@@ -106,22 +109,22 @@ def test_a_plan_can_run_cudnn_for_inference_and_flash_for_training():
     _check(built, *_grads(built, run))
 
 
-def test_auto_measures_cudnn_against_flash_once(tmp_path, monkeypatch):
+def test_auto_measures_cudnn_against_flash_once_per_step(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDATTN_CACHE_DIR", str(tmp_path))
     backend_choice.clear()
     dispatch.clear_cache()
     q = jax.ShapeDtypeStruct((2, 1024, 8, 128), jnp.bfloat16)
     plan = fusedattn.explain(q, q, q, mask="causal")
-    assert plan.choice is not None, str(plan)
-    assert {name for name, _, _ in plan.choice.timings} == {"cudnn", "flash"}
-    assert plan.chosen == plan.choice.training
-    assert "measured now" in str(plan)
-    dense = fusedattn.explain(q, q, q)  # no mask: both measured, forward and backward
-    assert dense.choice is not None, str(dense)
-    assert all(step is not None for _, _, step in dense.choice.timings), str(dense)
-    backend_choice.clear()  # as a new process would: the stored choice is read back
+    assert plan.rivals is not None, str(plan)
+    text = str(plan)  # explain's text measures both steps
+    choices = [plan.rivals.choice(step) for step in backend_choice.STEPS]
+    assert all({name for name, _ in c.timings} == {"cudnn", "flash"} for c in choices), text
+    assert plan.chosen == choices[1].backend
+    assert "measured now" in text
+    backend_choice.clear()  # as a new process would: the stored choices are read back
     dispatch.clear_cache()
     again = fusedattn.explain(q, q, q, mask="causal")
-    assert again.choice.source == "persistent cache"
-    assert again.choice.timings == plan.choice.timings
+    for step, before in zip(backend_choice.STEPS, choices):
+        stored = again.rivals.choice(step)
+        assert stored.source == "persistent cache" and stored.timings == before.timings
     print(plan)

@@ -278,17 +278,23 @@ def attention(backend, config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
     """(out, lse) from native `backend`; lse (fp32 ``[b, h_q, s_q]``, no gradient) only
     when `need_lse`. Differentiable in q, k, v, bias and softmax_offset.
 
-    `backend` is a backend name, or a pair ``(inference, training)``: the first runs a
-    call nobody differentiates, the second the forward and backward of one that is
-    (dispatch measures which is faster for each; `fusedattn.backend_choice`)."""
+    `backend` is a backend name, or dispatch's `MeasuredRivals`, whose
+    ``for_step(step)`` names the backend of each step: "inference" runs a call nobody
+    differentiates, "training" the forward and backward of one that is. It is asked
+    while tracing, so only the steps a program contains are measured
+    (`fusedattn.backend_choice`)."""
     # score_mod_args (cudnn's lowered score_mods) reach the kernels as they are; their
     # cotangents here are None: cudnn_flex supplies floating ones from the XLA backend.
-    inference, training = (backend, backend) if isinstance(backend, str) else tuple(backend)
     inputs = inputs._replace(rng=rng_bits(config, inputs.rng))
     if need_lse:
-        out, lse = _attend_with_lse(training, config, inputs)
+        out, lse = _attend_with_lse(_for_step(backend, "training"), config, inputs)
         return out, jax.lax.stop_gradient(lse)
-    return _attend((inference, training), config, inputs), None
+    return _attend(backend, config, inputs), None
+
+
+def _for_step(backend, step: str) -> str:
+    """The backend name that runs `step` ("inference" or "training")."""
+    return backend if isinstance(backend, str) else backend.for_step(step)
 
 
 def forward(backend: str, config: AttnConfig, inputs: AttnInputs, training: bool):
@@ -315,19 +321,23 @@ def _cotangents(inputs: AttnInputs, grads: AttnInputs) -> AttnInputs:
                       rng=None, score_mod_args=tuple(None for _ in inputs.score_mod_args))
 
 
+# The primal asks for the inference step's backend, the fwd rule for the training
+# step's. Under jit(grad(f)) JAX traces only the fwd rule; where the call is staged
+# before it is differentiated (grad(jit(f)), grad of a jax.checkpoint) it traces both,
+# and both steps are measured.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(backends, config, inputs):
-    return forward(backends[0], config, inputs, training=False)[0]
+def _attend(backend, config, inputs):
+    return forward(_for_step(backend, "inference"), config, inputs, training=False)[0]
 
 
-def _attend_fwd(backends, config, inputs):
-    out, lse = forward(backends[1], config, inputs, training=True)
+def _attend_fwd(backend, config, inputs):
+    out, lse = forward(_for_step(backend, "training"), config, inputs, training=True)
     return out, (inputs, out, lse)
 
 
-def _attend_bwd(backends, config, residuals, d_out):
+def _attend_bwd(backend, config, residuals, d_out):
     inputs, out, lse = residuals
-    return (backward(backends[1], config, inputs, out, lse, d_out),)
+    return (backward(_for_step(backend, "training"), config, inputs, out, lse, d_out),)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
