@@ -40,6 +40,12 @@ SHAPES = [
 ]
 QUICK = SHAPES[:1]
 DTYPE = jnp.bfloat16
+# Rows set providers that run the very same program side by side (auto beside
+# flash-attn3 at d128, beside fusedattn-cudnn at d64 / d256). Timed with common.py's
+# default 7 rounds of 25 ms, such pairs came out up to 7% apart (H100, 2026-11-24
+# 17:55 UTC: d256 fwd+bwd, auto and cudnn both cuDNN, 391 vs 418 TFLOP/s), so rows are
+# timed longer.
+TIMING = dict(rounds=15, min_round_s=0.05)
 # jax.nn's XLA path materialises [b, h, s, s] logits; beyond this many it is skipped.
 XLA_MAX_LOGITS = 2**31
 
@@ -123,7 +129,7 @@ def bench(shapes):
                 why = warm_into(calls, impl, *step(fn, mode, q, k, v, do))
                 if why is not None:  # an anchor that cannot run this shape
                     row[impl], row[impl + "_note"] = None, why
-            time_row(row, calls, flops)
+            time_row(row, calls, flops, **TIMING)
             ours = row.get("fusedattn")
             for anchor in ("jax-cudnn", "jax-xla", "flash-attn3"):
                 if ours and row.get(anchor):

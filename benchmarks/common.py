@@ -90,9 +90,11 @@ def warm_into(calls: Dict[str, Tuple[Callable, tuple]], name: str, fn: Callable,
         return f"{type(e).__name__}: {text}"
 
 
-def time_row(row: dict, calls: Dict[str, Tuple[Callable, tuple]], flops: float) -> None:
-    """Each call's TFLOP/s (row[name]) and ms (row[name + "_ms"]), timed round-robin."""
-    for name, t in time_interleaved(calls).items():
+def time_row(row: dict, calls: Dict[str, Tuple[Callable, tuple]], flops: float,
+             **timing) -> None:
+    """Each call's TFLOP/s (row[name]) and ms (row[name + "_ms"]), timed round-robin
+    (`timing`: time_interleaved's rounds / min_round_s)."""
+    for name, t in time_interleaved(calls, **timing).items():
         row[name] = flops / t / 1e12
         row[name + "_ms"] = t * 1e3
 

@@ -12,8 +12,9 @@ versions), and `explain()` prints the timings chosen by. Timing each step only w
 needed spares a training job's first step the forward-only timings it never uses.
 
 Measuring one step costs one compilation per rival, side by side (while the random
-inputs are made), about 0.2 s of warm-up and a few runs per rival, once per config and
-machine (`benchmarks/tune/choice_cost.py` times it). A
+inputs are made), 0.2 s of warm-up and a few runs per rival, once per config and
+machine: 0.48-0.61 s for a training step at b4 s4096 h16 (H100, 2026-11-24,
+`benchmarks/tune/choice_cost.py`), and a cold first auto step 0.63-0.72 s in all. A
 config beyond `MAX_ROWS` query rows is timed at a smaller batch (`measured_config`):
 a larger batch repeats the same tiles, and a sharded call's global batch need not fit
 on one device. ``FUSEDATTN_MEASURE=0`` turns it off: the preference order decides
