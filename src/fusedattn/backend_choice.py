@@ -224,10 +224,11 @@ _OFFSET = 997  # elements between the timing inputs' starts in their random buff
 def _random_inputs(shapes, dtype):
     """Random device arrays of `shapes`, made on the host: one random buffer (bf16 /
     fp16 as random bits, above; other dtypes standard normal), each array read from it
-    at its own offset (an odd count of elements apart, so no two arrays are equal or
-    rows of one another). Drawing on the GPU costs an XLA compilation of 0.65-1.7 s
-    (H100, 2026-11-24, rbg and threefry, `benchmarks/tune/choice_cost.py`); on the host
-    most of the cost is first touching new memory, so one buffer serves all arrays."""
+    at its own offset (_OFFSET elements apart, not a multiple of any head dim, so no
+    row of one array is a row of another). Drawing on the GPU cost 0.65-2.0 s of XLA
+    compilation and first run at b4 s4096 h16 (H100, 2026-11-24, rbg and threefry,
+    `benchmarks/tune/choice_cost.py`), these 0.16-0.34 s; on the host most of the cost
+    is first touching new memory, so one buffer serves all arrays."""
     sizes = [math.prod(shape) for shape in shapes]
     n = max(sizes) + _OFFSET * (len(shapes) - 1)
     rng = np.random.default_rng(0)
