@@ -54,14 +54,21 @@ def implementations(causal: bool):
     return impls
 
 
-def bench(shape):
-    name, b, s, hq, hkv, d = shape
-    q, k, v, do = _inputs(b, s, hq, hkv, d)
+def explicit_inputs(q, k, v, do):
+    """(scales, (q8, k8, v8, do8)): what the explicit FP8 kernels (`fp8.attention`) run on,
+    as a delayed-scaling loop would hold them: q, k, v, d_out quantized with scales from
+    their amaxes, the gradients' and dP's scales 1."""
     scales, _ = fp8.forward_scales(q, k, v)
     scales = scales._replace(do=fp8.scale_for(fp8.amax(do)), dq=jnp.float32(1.0),
                              dk=jnp.float32(1.0), dv=jnp.float32(1.0), dp=jnp.float32(1.0))
-    q8, k8, v8 = (fp8.quantize(x, s_) for x, s_ in ((q, scales.q), (k, scales.k), (v, scales.v)))
-    do8 = fp8.quantize(do, scales.do)
+    return scales, tuple(fp8.quantize(x, s) for x, s in (
+        (q, scales.q), (k, scales.k), (v, scales.v), (do, scales.do)))
+
+
+def bench(shape):
+    name, b, s, hq, hkv, d = shape
+    q, k, v, do = _inputs(b, s, hq, hkv, d)
+    scales, (q8, k8, v8, do8) = explicit_inputs(q, k, v, do)
     rows, notes = [], {}
     for row, mode, cfg, flops in row_grid(name, b, s, hq, hkv, d):
         causal = cfg.causal

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+from bench_fp8 import explicit_inputs  # noqa: E402
 from common import fwd_bwd, time_interleaved, warmed  # noqa: E402
 
 import fusedattn  # noqa: E402
@@ -45,12 +46,7 @@ def main():
                  for i in (0, 3))
         k, v = (jax.random.normal(jax.random.fold_in(key, i), (b, s, h_kv, 128), jnp.bfloat16)
                 for i in (1, 2))
-        scales, _ = fp8.forward_scales(q, k, v)
-        scales = scales._replace(do=fp8.scale_for(fp8.amax(do)), dq=jnp.float32(1.0),
-                                 dk=jnp.float32(1.0), dv=jnp.float32(1.0), dp=jnp.float32(1.0))
-        q8, k8, v8 = (fp8.quantize(x, s_) for x, s_ in ((q, scales.q), (k, scales.k),
-                                                          (v, scales.v)))
-        do8 = fp8.quantize(do, scales.do)
+        scales, (q8, k8, v8, do8) = explicit_inputs(q, k, v, do)
 
         def current(q, k, v):
             return fusedattn.fused_attn(q, k, v, mask="causal", precision="fp8", backend="cudnn")
