@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import attn_cases as ac
-import flex_cases as fc
+from support import attn_cases as ac
+from support import flex_cases as fc
 import fusedattn
-import oracle
-from fusedattn import dispatch, flex_interpreter, flex_lowering, score_mods
+from support import oracle
+from fusedattn import dispatch, score_mods
+from support import flex_interpreter
+from fusedattn.backends.cudnn.lowering import lower as flex_lowering
 from fusedattn.backends import cudnn
 from fusedattn.config import AttnConfig
 from fusedattn.validation import build_call
@@ -230,7 +232,9 @@ def test_score_mods_under_a_split_read_the_calls_batch_and_head_numbers(name):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from fusedattn.backends import native_call, xla
+    from fusedattn.backends import xla
+
+    from fusedattn.backends import native_op as native_call
     if name == "alibi_builtin":
         mod, mask_mod, args = score_mods.alibi(4), None, ()
     elif name == "head_mask_mod":
@@ -261,7 +265,7 @@ def test_a_shards_lowered_program_reads_the_calls_heads(name):
     """What cuDNN runs on the second of two head shards: its per-head input holds the
     call's heads 2 and 3 (the built-in ALiBi, whose cuDNN form would compute slopes for
     the shard's own head count, is lowered as a program there)."""
-    from fusedattn.backends import native_call
+    from fusedattn.backends import native_op as native_call
     if name == "alibi_builtin":
         q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.bfloat16)
         config, _ = build_call(q, q, q, score_mod=score_mods.alibi(H))

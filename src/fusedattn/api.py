@@ -6,10 +6,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import jax
 
-from . import dispatch, fp8, partitioning
-from .context_parallel import ContextParallel
-from .context_parallel import attention as context_parallel_attention
-from .context_parallel import axis_size
+from . import dispatch, partitioning
+from .context_parallel import ContextParallel, axis_size
 from .sequence import SequenceDescriptor
 from .validation import build_call
 
@@ -76,13 +74,7 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
         score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
         deterministic=deterministic, layout=layout, precision=precision)
     cp = _check_context_parallel(context_parallel)
-    plan = dispatch.plan(config, backend, context_parallel=cp)
-    if cp is not None:
-        plan.backend  # noqa: B018 - raises UnsupportedError with every reason
-        return context_parallel_attention(config, inputs, cp, plan.chosen)
-    if config.is_fp8:
-        return fp8.current_scaling_attention(config, inputs, plan.backend.name)
-    return plan.attention(inputs)
+    return dispatch.plan(config, backend, context_parallel=cp).run(inputs)
 
 
 def _check_context_parallel(cp) -> Optional[ContextParallel]:

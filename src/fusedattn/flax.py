@@ -25,7 +25,7 @@ from flax import nnx
 
 from .api import fused_attn
 from .context_parallel import ContextParallel
-from .jax_nn import _bias_with_mask
+from .jax_nn import bias_with_mask
 from .sequence import SequenceDescriptor
 
 __all__ = ["attention_fn", "DotProductAttention", "NnxDotProductAttention"]
@@ -66,7 +66,7 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     # Flax's masks are often float (make_attention_mask's default): non-zero = attend.
     flat_mask = None if mask is None else _flat_lead(jnp.asarray(mask).astype(bool), lead)
     flat_bias = None if bias is None else _flat_lead(bias, lead)
-    out = fused_attn(q, k, v, bias=_bias_with_mask(flat_bias, flat_mask, q.dtype, b, n, t,
+    out = fused_attn(q, k, v, bias=bias_with_mask(flat_bias, flat_mask, q.dtype, b, n, t,
                                                    k.shape[1]),
                      mask="causal" if is_causal else "none",
                      dropout=dropout_rate if dropping else 0.0,

@@ -1,29 +1,14 @@
-"""What every backend provides, and the arrays a call carries.
-
-A backend is a module `fusedattn.backends.<name>` exposing `BACKEND`, an object
-with:
-
-* ``name``: the string users pass as ``backend=``.
-* ``platforms``: the JAX platforms it can run on (``"cpu"``, ``"cuda"``, ``"rocm"``).
-* ``supports(config) -> None | str``: None when it can run this config, else
-  the reason it cannot (shown by ``explain()`` and in errors). Must not run
-  kernels on the device data; may build and cache native plans.
-* ``attention(config, inputs) -> out``: the output ``[b, s_q, h_q, d_v]`` in the
-  config's layout (``[s_q, b, h_q, d_v]`` for sbhd) and q's dtype,
-  differentiable (through a custom_vjp) with respect to q, k, v, bias and
-  softmax_offset.
-
-Backends read only the `AttnConfig` and `AttnInputs`; never user arguments.
-"""
+"""The arrays one call carries (`AttnInputs`) and the layout helpers every backend uses.
+Backends read only the `AttnConfig` and these arrays, never user arguments."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Protocol, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from ..config import AttnConfig
-from ..sequence import SequenceDescriptor
+from .config import AttnConfig
+from .sequence import SequenceDescriptor
 
 
 class AttnInputs(NamedTuple):
@@ -71,12 +56,3 @@ def to_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
 def from_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
     """A bshd tensor -> the config's layout."""
     return jnp.swapaxes(x, 0, 1) if config.layout == "sbhd" else x
-
-
-class Backend(Protocol):
-    name: str
-    platforms: Tuple[str, ...]
-
-    def supports(self, config: AttnConfig) -> Optional[str]: ...
-
-    def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array: ...

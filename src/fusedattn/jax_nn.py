@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import dispatch
-from .backends import native_call, xla
 from .config import DTYPES
 from .sequence import SequenceDescriptor
 from .validation import build_call
@@ -74,7 +73,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
             return_residual=return_residual)
     b, t, n, _ = q.shape
     s = k.shape[1]
-    bias = _bias_with_mask(bias, mask, q.dtype, b, n, t, s)
+    bias = bias_with_mask(bias, mask, q.dtype, b, n, t, s)
     sequence = None
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
         q_len = _lengths(query_seq_lengths, "query_seq_lengths", b, t)
@@ -86,13 +85,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                                 scale=None if scale is None else float(scale))
     plan = dispatch.plan(config, _backend(implementation))
     if not return_residual:
-        out = plan.attention(inputs)
+        out = plan.run(inputs)
         return out[0] if unbatched else out
-    if plan.chosen == "xla":
-        out, lse = xla.attention_with_lse(config, inputs)
-    else:
-        plan.backend  # noqa: B018 - raises UnsupportedError with every reason
-        out, lse = native_call.attention(plan.chosen, config, inputs, need_lse=True)
+    out, lse = plan.run_with_lse(inputs)
     lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(k.dtype))  # [B, T, N]
     return (out[0], lse[0]) if unbatched else (out, lse)
 
@@ -114,7 +109,7 @@ def _as_4d(x, name: str):
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _bias_with_mask(bias, mask, dtype, b, n, t, s):
+def bias_with_mask(bias, mask, dtype, b, n, t, s):
     """The additive term fusedattn takes: [1|B, 1|N, T, S]."""
     terms = []
     if bias is not None:

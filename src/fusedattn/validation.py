@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .backends.base import AttnInputs
+from .inputs import AttnInputs
 from .config import DTYPES, MASKS, PRECISIONS, SOFTMAX_TYPES, AttnConfig
 from .score_mods import Masked
 from .sequence import SequenceDescriptor

@@ -1,4 +1,5 @@
-"""Device facts from the vendors' Python packages, for `python -m fusedattn info`.
+"""Which vendor's GPU JAX runs on (`current_platform`), and device facts from the
+vendors' Python packages, for `python -m fusedattn info`.
 
 cupy (``fusedattn[cuda]``) reads an NVIDIA GPU's compute capability, SM count, memory
 and driver version; hip-python (``fusedattn[rocm]``) an AMD GPU's gfx architecture,
@@ -7,7 +8,24 @@ without a GPU) each says so in one line, never with an ImportError.
 """
 from __future__ import annotations
 
+import os
 from typing import List, Optional
+
+import jax
+
+ENV_PLATFORM = "FUSEDATTN_PLATFORM"  # for tests: pretend to be cpu / cuda / rocm
+
+
+def current_platform() -> str:
+    """'cpu', 'cuda' or 'rocm', from JAX's default backend (overridable for tests)."""
+    forced = os.environ.get(ENV_PLATFORM)
+    if forced:
+        return forced
+    platform = jax.default_backend()
+    if platform == "gpu":  # older jaxlib spells both vendors "gpu"
+        version = jax.devices()[0].client.platform_version.lower()
+        platform = "rocm" if "rocm" in version or "hip" in version else "cuda"
+    return platform
 
 
 def cuda_lines() -> List[str]:

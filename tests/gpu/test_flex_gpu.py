@@ -10,17 +10,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ helpers
-import attn_cases as ac  # noqa: E402
-import flex_cases as fc  # noqa: E402
+from support import attn_cases as ac  # noqa: E402
+from support import flex_cases as fc  # noqa: E402
 import fusedattn  # noqa: E402
-from fusedattn import causal_chunks, score_mods  # noqa: E402
+from fusedattn import score_mods  # noqa: E402
+from fusedattn.backends.cudnn import causal_chunks  # noqa: E402
 from fusedattn.validation import build_call  # noqa: E402
 from fusedattn.backends import cudnn  # noqa: E402
 
@@ -135,7 +134,7 @@ def test_cudnn_still_misreads_per_batch_score_mod_tensors(monkeypatch):
     refusal lifted, cuDNN's result is far from the oracle. When a cuDNN release fixes
     it, this test fails: lift the refusal for that version."""
     from fusedattn import dispatch
-    from fusedattn.backends import cudnn_flex
+    from fusedattn.backends.cudnn import flex as cudnn_flex
     monkeypatch.setattr(cudnn_flex, "PER_BATCH_INPUTS_OK", True)
     dispatch.clear_cache()
     try:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import oracle
+from . import oracle
 from fusedattn.sequence import SequenceDescriptor
 from fusedattn.validation import build_call
 

@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fusedattn import flex_interpreter, score_mods
+from fusedattn import score_mods
+
+from support import flex_interpreter
 
 
 def _slopes(h, b, s):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fusedattn
-import oracle
+from . import oracle
 from fusedattn import fp8
 from fusedattn.sequence import SequenceDescriptor
 

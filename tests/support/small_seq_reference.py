@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import oracle
-from attn_cases import TOLERANCE, rel_error as rel_err  # noqa: F401 - re-exported for the tests
+from . import oracle
+from .attn_cases import TOLERANCE, rel_error as rel_err  # noqa: F401 - re-exported for the tests
 
 
 def attention(q, k, v, lengths, scale, d_o=None):

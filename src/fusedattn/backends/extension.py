@@ -16,6 +16,8 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import jax
 
+from .. import vendor
+
 MODULES = {"cuda": "fusedattn._cuda", "rocm": "fusedattn._rocm"}
 FFI_PLATFORMS = {"cuda": "CUDA", "rocm": "ROCM"}
 
@@ -27,8 +29,7 @@ _registered: Dict[str, set] = {}
 
 def gpu_platform() -> Optional[str]:
     """'cuda' or 'rocm' when JAX runs on such a GPU, else None (no GPU init forced on CPU)."""
-    from ..dispatch import current_platform  # noqa: PLC0415 - avoid an import cycle
-    platform = current_platform()
+    platform = vendor.current_platform()
     return platform if platform in MODULES else None
 
 
@@ -62,9 +63,8 @@ def load(platform: Optional[str] = None):
 def architecture_reason(module) -> Optional[str]:
     """Why the ROCm extension's kernels cannot run on this machine's GPUs (None: they
     can, or hip-python is absent and the architectures cannot be read)."""
-    from ..vendor_info import rocm_archs  # noqa: PLC0415
     built = [a for a in str(getattr(module, "hip_architectures", "")).split(";") if a]
-    archs = rocm_archs() if built else None
+    archs = vendor.rocm_archs() if built else None
     for arch in archs or ():
         if arch.split(":")[0] not in built:
             return (f"{MODULES['rocm']} was built for {';'.join(built)}, not this GPU's {arch} "

@@ -19,8 +19,9 @@ is raw uint32 bits (`rng_bits`). This module wraps them once:
   sees the call's batch and head numbers: `_on_shard`);
 * sequential `vmap` (one call per mapped element), as the FFI calls had.
 
-FP8 kernels (a backend's ``<name>_fp8`` module: ``fp8_forward`` /
-``fp8_backward``, see `fusedattn.fp8`) go through the same rule as steps of
+Each backend registers its kernels by name (`register`): an object with ``forward``
+and ``backward``, and for FP8 one with ``fp8_forward`` / ``fp8_backward`` (see
+`fusedattn.fp8`). FP8 kernels go through the same rule as steps of
 their own (`fp8_forward`, `fp8_backward` below): scales are replicated scalars,
 and each amax a kernel returns is the max over the devices' shards (one scalar
 all-reduce), so it equals the unsplit call's.
@@ -36,8 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding
 from .. import partitioning as P
 from .. import score_mods
 from ..config import AttnConfig
-from .base import AttnInputs
+from ..inputs import AttnInputs
 
 RNG_WORDS = 4  # uint32 words of dropout randomness handed to the kernels
 # FP8 scalars: scales in (replicated), amaxes out (the max over shards, see _partition).
@@ -62,10 +62,30 @@ def rng_bits(config: AttnConfig, rng) -> Optional[jax.Array]:
     return jax.random.bits(rng, (RNG_WORDS,), jnp.uint32)
 
 
+class Kernels(NamedTuple):
+    """A backend's per-device kernels: ``forward(config, inputs, training)`` and
+    ``backward(config, inputs, out, lse, d_out)``; for FP8 ``fp8_forward`` /
+    ``fp8_backward`` of `fusedattn.fp8`'s contract."""
+    forward: Callable
+    backward: Callable
+
+
+# Per-device kernels by backend name, filled by each backend module as it loads.
+_KERNELS: Dict[str, Any] = {}
+_FP8_KERNELS: Dict[str, Any] = {}
+
+
+def register(name: str, kernels: Kernels, fp8_kernels: Optional[Kernels] = None) -> None:
+    """Make `name`'s per-device kernels (and FP8 kernels, if any) callable here."""
+    _KERNELS[name] = kernels
+    if fp8_kernels is not None:
+        _FP8_KERNELS[name] = fp8_kernels
+
+
 @dataclasses.dataclass(frozen=True)
 class _Op:
     """One native step (static: custom_partitioning's and custom_vjp's hashable argument)."""
-    backend: str               # module under fusedattn.backends
+    backend: str               # a name given to `register`
     step: str                  # "inference", "training" or "backward"; "fp8_" + one of them
     config: AttnConfig         # the global (unsplit) config
     in_tree: Any               # treedef of the operands
@@ -79,8 +99,7 @@ class _Op:
 
     @property
     def kernels(self):
-        suffix = "_fp8" if self.fp8 else ""
-        return importlib.import_module(f"fusedattn.backends.{self.backend}{suffix}")
+        return (_FP8_KERNELS if self.fp8 else _KERNELS)[self.backend]
 
 
 # ---- the per-device body ------------------------------------------------------------
@@ -91,10 +110,10 @@ def _run(op: _Op, config: AttnConfig, flat, shard_starts=None):
         inputs = inputs._replace(score_mod_args=tuple(inputs.score_mod_args) + shard_starts)
         operands = (inputs,) + tuple(operands[1:]) if op.step == "backward" else inputs
     if op.step == "fp8_backward":
-        result = op.kernels.fp8_backward(config, *operands)
+        result = op.kernels.backward(config, *operands)
     elif op.fp8:
         training = op.step == "fp8_training"
-        o8, lse, amax_s, amax_o = op.kernels.fp8_forward(config, *operands, training)
+        o8, lse, amax_s, amax_o = op.kernels.forward(config, *operands, training)
         result = (o8, lse, amax_s, amax_o) if training else (o8, amax_s, amax_o)
     elif op.step == "backward":
         inputs, out, lse, d_out = operands

@@ -12,7 +12,7 @@ devices). Each device keeps its query tokens; two strategies bring it the keys:
   memory); the backward reduce-scatters the kv gradients. Cheapest for short
   rings and small kv (GQA).
 
-Every step runs the chosen backend's own kernels (`backends/native_call.py`
+Every step runs the chosen backend's own kernels (`backends/native_op.py`
 for the native ones) and returns the log-sum-exp; partial outputs merge
 exactly through it, and the backward reuses the merged (out, lse), so each
 step's kernel computes its exact share of the gradient.
@@ -38,12 +38,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from .config import AttnConfig
-from .context_parallel_steps import (_attend, _Block, _block_call, _gather_blocks, _ring_cases,
-                                     _Static, zigzag_order)
-from .partitioning import shard_index
+from ..config import AttnConfig
+from .allgather import gather_blocks
+from .attend import attend
+from .blocks import Block, Static, block_call, ring_cases
+from ..partitioning import shard_index
 
-__all__ = ["ContextParallel", "attention", "describe", "zigzag_order"]
 STRATEGIES = ("ring", "allgather")
 
 
@@ -151,13 +151,13 @@ def describe(config: AttnConfig, cp: ContextParallel) -> str:
 def block_configs(config: AttnConfig, cp: ContextParallel, n: int) -> Tuple[AttnConfig, ...]:
     """Every config a device's kernels run under this split (at the global batch/heads)."""
     local = dataclasses.replace(config, s_q=config.s_q // n, s_kv=config.s_kv // n)
-    st = _Static(local, cp.axis, n, cp.strategy, config.causal and cp.load_balance, "xla")
+    st = Static(local, cp.axis, n, cp.strategy, config.causal and cp.load_balance, "xla")
     if cp.strategy == "ring":
-        blocks = [b for case in _ring_cases(st) for b in case if b.mask != "skip"]
+        blocks = [b for case in ring_cases(st) for b in case if b.mask != "skip"]
     else:
-        blocks = [_Block(rows, (0, config.s_kv), "none" if prefix is None else "causal_bottom_right")
-                  for rows, prefix in _gather_blocks(st, 0)]
-    return tuple(dict.fromkeys(_block_call(st, b, None, None)[0] for b in blocks))
+        blocks = [Block(rows, (0, config.s_kv), "none" if prefix is None else "causal_bottom_right")
+                  for rows, prefix in gather_blocks(st, 0)]
+    return tuple(dict.fromkeys(block_call(st, b, None, None)[0] for b in blocks))
 
 
 def plan_reason(config: AttnConfig, cp: ContextParallel, backend) -> Optional[str]:
@@ -202,8 +202,8 @@ def attention(config: AttnConfig, inputs, cp: ContextParallel, backend: str) -> 
         # A score_mod sees the call's batch, head and position numbers (score_mods.Starts).
         head_start = shard_index(heads, shape) * local.h_q if heads else 0
         extra = () if config.score_mod is None else (args, batch_start, head_start)
-        st = _Static(local, cp.axis, n, cp.strategy, zigzag, backend, move)
-        return _attend(st, q, k, v, q_len.astype(jnp.int32), kv_len.astype(jnp.int32), extra)
+        st = Static(local, cp.axis, n, cp.strategy, zigzag, backend, move)
+        return attend(st, q, k, v, q_len.astype(jnp.int32), kv_len.astype(jnp.int32), extra)
 
     args = tuple(inputs.score_mod_args)
     fn = jax.shard_map(per_device, mesh=mesh,

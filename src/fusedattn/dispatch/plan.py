@@ -1,11 +1,12 @@
-"""Choosing a backend: platform + AttnConfig -> the backend that runs, and why not the others.
+"""The Plan: platform + AttnConfig -> the backend that runs, why not the others, and the
+strategy that runs the call (plain, measured rivals, FP8 current scaling, context
+parallelism). `Plan.run` executes every call of `fused_attn` and the drop-ins, and
+`explain()` prints the same plan.
 
-Backends are modules under `fusedattn.backends`, each exposing `BACKEND` (see
-`backends/base.py`). Adding one is adding its module and its name to
-`PREFERENCE` below. A module that fails to import is reported as a reason, not
-raised, so a broken optional backend never hides the XLA fallback.
+Backends are listed in `registry` (each exposes the `backends.protocol.Backend`
+interface); the preference order per platform is `PREFERENCE` below.
 
-Where backends of a rival group (`backend_choice.RIVALS`: cudnn and flash on CUDA)
+Where backends of a rival group (`measure.RIVALS`: cudnn and flash on CUDA)
 can both run a config, `auto` picks by a measurement on this GPU, separately for
 calls without a gradient and for training steps, each when a call first needs it
 (`MeasuredRivals`); the plan shows the timings.
@@ -13,16 +14,17 @@ calls without a gradient and for training steps, each when a call first needs it
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
 import threading
 from typing import Dict, List, Optional, Tuple
 
-import jax
-
-from . import backend_choice
-from .config import AttnConfig
+from .. import context_parallel as cp_module
+from ..backends import fp8_op, native_op, xla
+from ..config import AttnConfig
+from ..vendor import current_platform
+from . import measure
+from .registry import ALL_BACKENDS, load_backend
 
 log = logging.getLogger("fusedattn")
 
@@ -32,47 +34,28 @@ PREFERENCE: Dict[str, Tuple[str, ...]] = {
     "rocm": ("small_seq", "ck", "xla"),
     "cpu": ("xla",),
 }
-ALL_BACKENDS: Tuple[str, ...] = ("small_seq", "cudnn", "flash", "ck", "xla")
 
 ENV_BACKEND = "FUSEDATTN_BACKEND"
-ENV_PLATFORM = "FUSEDATTN_PLATFORM"  # for tests: pretend to be cpu / cuda / rocm
 
 
 class UnsupportedError(ValueError):
     """The requested backend cannot serve this config; the message lists every reason."""
 
 
-def current_platform() -> str:
-    """'cpu', 'cuda' or 'rocm', from JAX's default backend (overridable for tests)."""
-    forced = os.environ.get(ENV_PLATFORM)
-    if forced:
-        return forced
-    platform = jax.default_backend()
-    if platform == "gpu":  # older jaxlib spells both vendors "gpu"
-        version = jax.devices()[0].client.platform_version.lower()
-        platform = "rocm" if "rocm" in version or "hip" in version else "cuda"
-    return platform
-
-
-def load_backend(name: str):
-    """The BACKEND object of `fusedattn.backends.<name>` (raises ImportError)."""
-    return importlib.import_module(f"fusedattn.backends.{name}").BACKEND
-
-
 @dataclasses.dataclass(frozen=True)
 class MeasuredRivals:
-    """Rival backends that all run `config`. Each step (`backend_choice.STEPS`) runs the
+    """Rival backends that all run `config`. Each step (`measure.STEPS`) runs the
     one a measurement on this GPU found fastest, measured the first time a call needs
-    that step: `native_call` asks at trace time, so a training job never times
+    that step: `native_op` asks at trace time, so a training job never times
     forward-only calls it does not make. Hashable: it rides in custom_vjp's static
     arguments."""
     config: AttnConfig
     platform: str
     candidates: Tuple[str, ...]
 
-    def choice(self, step: str) -> backend_choice.Choice:
-        return backend_choice.choose(self.config, self.platform, self.candidates, step,
-                                     identity=backend_choice.machine_identity())
+    def choice(self, step: str) -> measure.Choice:
+        return measure.choose(self.config, self.platform, self.candidates, step,
+                               identity=measure.machine_identity())
 
     def for_step(self, step: str) -> str:
         return self.choice(step).backend
@@ -90,10 +73,11 @@ class Plan:
     # The distributed plan (context parallelism, or the batch / head split of sharded
     # inputs given to explain()), as lines of text; "" for a single-device call.
     distributed: str = ""
-    # Rival backends chosen between per step by measurement (`backend_choice`), or
+    # Rival backends chosen between per step by measurement (`measure`), or
     # None; `measure_note`: why no measurement decides, where one could have.
     rivals: Optional[MeasuredRivals] = None
     measure_note: str = ""
+    context_parallel: Optional[object] = None  # a ContextParallel, run by its strategy
 
     @property
     def chosen(self) -> Optional[str]:
@@ -103,22 +87,51 @@ class Plan:
 
     @property
     def backend(self):
+        """The chosen backend object (raises UnsupportedError with every reason)."""
+        return load_backend(self.require())
+
+    def require(self) -> str:
+        """The chosen backend's name; UnsupportedError with every reason when none."""
         if self.chosen is None:
             raise UnsupportedError(self.error_message())
-        return load_backend(self.chosen)
+        return self.chosen
 
-    def attention(self, inputs):
-        """Run the plan: the chosen backend, or between measured rivals the one each
-        step's measurement picked."""
-        if self.rivals is not None:
-            from .backends import native_call  # noqa: PLC0415
-            return native_call.attention(self.rivals, self.config, inputs)[0]
-        return self.backend.attention(self.config, inputs)
+    @property
+    def strategy(self) -> str:
+        """How `run` executes: "context_parallel", "fp8" (current scaling), "measured"
+        (rivals chosen per step) or "plain"."""
+        if self.context_parallel is not None:
+            return "context_parallel"
+        if self.config.is_fp8:
+            return "fp8"
+        return "measured" if self.rivals is not None else "plain"
+
+    def run(self, inputs):
+        """Run the call this plan describes on `inputs` (an `AttnInputs`)."""
+        name = self.require()
+        strategy = self.strategy
+        if strategy == "context_parallel":
+            return cp_module.attention(self.config, inputs, self.context_parallel, name)
+        if strategy == "fp8":
+            return fp8_op.current_scaling_attention(self.config, inputs, name)
+        if strategy == "measured":
+            return native_op.attention(self.rivals, self.config, inputs)[0]
+        return load_backend(name).attention(self.config, inputs)
+
+    def run_with_lse(self, inputs):
+        """(out, lse fp32 [b, h_q, s_q], no gradient through lse) of a plain or measured
+        plan (the jax.nn drop-in's return_residual)."""
+        name = self.require()
+        if self.strategy not in ("plain", "measured"):
+            raise UnsupportedError(f"the log-sum-exp is returned by plain calls, not {self.strategy}")
+        if name == "xla":
+            return xla.attention_with_lse(self.config, inputs)
+        return native_op.attention(self.rivals or name, self.config, inputs, need_lse=True)
 
     def _runs(self) -> List[str]:
         """The backends this plan runs: the chosen one, or each step's between rivals."""
         if self.rivals is not None:
-            return list(dict.fromkeys(self.rivals.for_step(s) for s in backend_choice.STEPS))
+            return list(dict.fromkeys(self.rivals.for_step(s) for s in measure.STEPS))
         return [self.chosen] if self.chosen else []
 
     def _details(self, name: str) -> str:
@@ -144,7 +157,7 @@ class Plan:
         lines = [head, self.table()]
         if self.rivals is not None:
             lines += ["measured: " + self.rivals.choice(s).describe()
-                      for s in backend_choice.STEPS]
+                      for s in measure.STEPS]
         if self.measure_note:
             lines.append(self.measure_note)
         lines += filter(None, (self._details(name) for name in self._runs()))
@@ -154,10 +167,7 @@ class Plan:
 
 
 def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[str]:
-    try:
-        backend = load_backend(name)
-    except Exception as e:  # an optional backend that cannot even import
-        return f"unavailable: {type(e).__name__}: {e}"
+    backend = load_backend(name)
     if platform not in backend.platforms:
         return f"runs on {'/'.join(backend.platforms)}, not {platform}"
     if config.is_fp8 and not getattr(backend, "fp8", False):
@@ -166,8 +176,7 @@ def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[s
     try:
         why = backend.supports(config)
         if why is None and cp is not None:
-            from . import context_parallel  # noqa: PLC0415
-            why = context_parallel.plan_reason(config, cp, backend)
+            why = cp_module.plan_reason(config, cp, backend)
             why = None if why is None else f"context parallel: {why}"
         return why
     except Exception as e:  # a probe that crashed is a reason, never a crash
@@ -202,22 +211,21 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
     rivals, measure_note = None, ""
     if requested == "auto":
         chosen = next((n for n, r in reasons if r is None), None)
-        candidates = backend_choice.rivals(platform, [n for n, r in reasons if r is None])
+        candidates = measure.rivals(platform, [n for n, r in reasons if r is None])
         if candidates and context_parallel is None:
-            if backend_choice.enabled():
+            if measure.enabled():
                 rivals = MeasuredRivals(config, platform, candidates)
             else:
                 measure_note = (f"{' and '.join(candidates)} both run this config; not "
-                                f"measured ({backend_choice.ENV_MEASURE}=0): preference "
+                                f"measured ({measure.ENV_MEASURE}=0): preference "
                                 f"order decides")
     else:
         chosen = requested if dict(reasons)[requested] is None else None
     distributed = ""
     if context_parallel is not None:
-        from . import context_parallel as cp_module  # noqa: PLC0415
         distributed = cp_module.describe(config, context_parallel)
     result = Plan(config, platform, requested, chosen, reasons, distributed, rivals,
-                  measure_note)
+                  measure_note, context_parallel)
     with _plans_lock:
         if key not in _plans:
             log.info("fusedattn: %s on %s -> %s", config.short(), platform,

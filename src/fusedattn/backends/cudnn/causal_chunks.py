@@ -33,8 +33,8 @@ from typing import Callable, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from .config import AttnConfig
-from .score_mods import reindexed
+from ...config import AttnConfig
+from ...score_mods import reindexed
 
 ENV_CHUNKS = "FUSEDATTN_FLEX_CAUSAL_CHUNKS"
 MIN_CHUNK_ROWS = 1024  # mask_chunks' smallest chunk (smaller grids run slower)

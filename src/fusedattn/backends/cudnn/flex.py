@@ -20,10 +20,12 @@ from typing import Dict, Optional
 import jax
 import jax.numpy as jnp
 
-from .. import flex_lowering, partitioning
-from ..config import AttnConfig
-from ..score_mods import Alibi
-from .base import AttnInputs
+from .lowering import lower as flex_lowering
+from ... import partitioning
+from .. import xla
+from ...config import AttnConfig
+from ...score_mods import Alibi
+from ...inputs import AttnInputs
 
 
 def is_flex(config: AttnConfig) -> bool:
@@ -152,7 +154,6 @@ def zero_padded_rows(config: AttnConfig, inputs: AttnInputs, out, lse):
 def with_arg_gradients(native, config: AttnConfig, inputs: AttnInputs):
     """`native(inputs) -> (out, lse)` with gradients for floating score_mod_args from the
     XLA backend (cuDNN gives only the scores' gradient)."""
-    from . import xla  # noqa: PLC0415
 
     @jax.custom_vjp
     def run(inputs):

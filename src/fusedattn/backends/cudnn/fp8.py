@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import fp8
-from ..config import AttnConfig
-from ..sequence import SequenceDescriptor
-from . import cudnn
-from .base import AttnInputs
+from ... import fp8_scaling
+from ...config import AttnConfig
+from ...sequence import SequenceDescriptor
+from . import kernels
+from .support import supports
+from ...inputs import AttnInputs
 
 _SLOT = 4  # floats per scalar row (kFp8SlotFloats)
 
@@ -37,7 +38,7 @@ CAUSAL_BACKWARD_PAIRS = 32
 _FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 
 
-def scale_rows(s: fp8.Fp8Scales) -> jax.Array:
+def scale_rows(s: fp8_scaling.Fp8Scales) -> jax.Array:
     """The kernels' scalar buffer, in kFp8Scales order (descales are 1 / scale)."""
     values = [1 / s.q, 1 / s.k, 1 / s.v, 1 / s.s, s.s, s.o, 1 / s.o, 1 / s.do, 1 / s.dp,
               s.dq, s.dk, s.dv, s.dp]
@@ -49,21 +50,21 @@ def _amaxes(rows, n: int):
     return tuple(rows[i, 0] for i in range(n))
 
 
-def fp8_forward(config: AttnConfig, q8, k8, v8, sequence, scales: fp8.Fp8Scales,
+def fp8_forward(config: AttnConfig, q8, k8, v8, sequence, scales: fp8_scaling.Fp8Scales,
                 training: bool):
     """(o8 E4M3, fp32 lse [b, h_q, s_q] or None, amax of S, amax of o)."""
-    static = cudnn.static_call(config)
-    aux = cudnn.aux_arrays(config, AttnInputs(q8, k8, v8, sequence=sequence))
-    results = [jax.ShapeDtypeStruct(cudnn.out_shape(config), jnp.float8_e4m3fn)]
+    static = kernels.static_call(config)
+    aux = kernels.aux_arrays(config, AttnInputs(q8, k8, v8, sequence=sequence))
+    results = [jax.ShapeDtypeStruct(kernels.out_shape(config), jnp.float8_e4m3fn)]
     if training:
-        results.append(jax.ShapeDtypeStruct(cudnn.stats_shape(config), jnp.float32))
+        results.append(jax.ShapeDtypeStruct(kernels.stats_shape(config), jnp.float32))
     results += [jax.ShapeDtypeStruct((2, _SLOT), jnp.float32),
-                cudnn.workspace_shape(static.workspace[1 if training else 0])]
+                kernels.workspace_shape(static.workspace[1 if training else 0])]
     outs = jax.ffi.ffi_call(static.targets[1 if training else 0], tuple(results),
                             vmap_method="sequential")(
         q8, k8, v8, *aux, scale_rows(scales), key=static.key, training=np.int64(training))
     o8 = outs[0]
-    lse = cudnn.lse_from_stats(config, outs[1]) if training else None
+    lse = kernels.lse_from_stats(config, outs[1]) if training else None
     return (o8, lse) + _amaxes(outs[-2], 2)
 
 
@@ -109,7 +110,7 @@ def backward_split(config: AttnConfig) -> Tuple[Tuple[Group, ...], str]:
         return groups, ""
     limit = _pair_limit()
     for group in groups:
-        why = cudnn.BACKEND.supports(group_config(config, group))
+        why = supports(group_config(config, group))
         if why is not None:
             return ((((0, config.batch), (0, config.h_kv)),),
                     f"FP8 backward in one call: cuDNN refuses the calls of at most {limit} "
@@ -120,7 +121,7 @@ def backward_split(config: AttnConfig) -> Tuple[Tuple[Group, ...], str]:
 
 
 def fp8_backward(config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence,
-                 scales: fp8.Fp8Scales):
+                 scales: fp8_scaling.Fp8Scales):
     """(dq8, dk8, dv8 in config.fp8_grad, (amax dq, dk, dv, dP)), from one call or, for
     a causal mask, from calls over groups of batch rows / kv heads (`backward_split`)."""
     groups, _ = backward_split(config)
@@ -155,13 +156,13 @@ def fp8_backward(config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence,
 
 
 def _backward_call(config: AttnConfig, q8, k8, v8, o8, do8, lse, sequence,
-                   scales: fp8.Fp8Scales):
-    static = cudnn.static_call(config)
-    aux = cudnn.aux_arrays(config, AttnInputs(q8, k8, v8, sequence=sequence))
+                   scales: fp8_scaling.Fp8Scales):
+    static = kernels.static_call(config)
+    aux = kernels.aux_arrays(config, AttnInputs(q8, k8, v8, sequence=sequence))
     grad = _FORMATS[config.fp8_grad]
     results = [jax.ShapeDtypeStruct(x.shape, grad) for x in (q8, k8, v8)]
     results += [jax.ShapeDtypeStruct((4, _SLOT), jnp.float32),
-                cudnn.workspace_shape(static.workspace[2])]
+                kernels.workspace_shape(static.workspace[2])]
     outs = jax.ffi.ffi_call(static.targets[2], tuple(results), vmap_method="sequential")(
         q8, k8, v8, o8, do8.astype(_FORMATS[config.fp8_do]), lse, *aux, scale_rows(scales),
         key=static.key)

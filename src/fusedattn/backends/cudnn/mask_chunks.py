@@ -31,8 +31,8 @@ import numpy as np
 
 from . import causal_chunks
 from .causal_chunks import Chunk
-from .config import AttnConfig
-from .score_mods import Masked
+from ...config import AttnConfig
+from ...score_mods import Masked
 
 MAX_SCAN = 1 << 26          # grid points evaluated at trace time (64 Mi booleans)
 MAX_TILE_FRACTION = 0.75

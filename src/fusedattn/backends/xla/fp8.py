@@ -18,11 +18,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from .. import fp8
-from ..config import AttnConfig
-from . import xla
-from .base import AttnInputs, to_bshd
-from .xla_masks import tile_mask, token_info
+from ... import fp8_scaling as fp8
+from ...config import AttnConfig
+from . import attention as xla
+from ...inputs import AttnInputs, to_bshd
+from .masks import tile_mask, token_info
 
 
 def _fp32(config: AttnConfig) -> AttnConfig:

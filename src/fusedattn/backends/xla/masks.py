@@ -13,8 +13,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from ..config import AttnConfig
-from ..sequence import SequenceDescriptor
+from ...config import AttnConfig
+from ...sequence import SequenceDescriptor
 
 _INT = jnp.int32
 # A query that is not a real token gets segment -1 and a key 0, so equal

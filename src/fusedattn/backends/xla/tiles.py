@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..config import AttnConfig
-from .xla_masks import TokenInfo, has_mask, keep_tile, tile_mask
+from ...config import AttnConfig
+from .masks import TokenInfo, has_mask, keep_tile, tile_mask
 
 F32 = jnp.float32
 NEG_INF = -jnp.inf

@@ -31,7 +31,7 @@ def fusedattn_tanh_bwd(dy, x):
 
 
 _TANH_BWD = jax.jit(fusedattn_tanh_bwd)
-# jit name -> the program op (csrc/cuda/cudnn_flex.cc: cuDNN's TANH_BWD)
+# jit name -> the program op (csrc/cuda/flex.cc: cuDNN's TANH_BWD)
 FUSED_BWD = {"fusedattn_tanh_bwd": "tanh_bwd"}
 
 

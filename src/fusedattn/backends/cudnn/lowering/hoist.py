@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .flex_program import _fmt, parse_lines
+from .program import fmt, parse_lines
 
 # (coefficient, factors (static input tokens "aN", sorted), atom token: "1", "q",
 # "s", "k", "aN", or "vN" for an instruction the expansion does not look into)
@@ -119,7 +119,7 @@ class _Hoister:
             for f in factors:
                 value = self.emit("mul", f, value)
             if abs(coef) != 1.0:
-                value = self.emit("mul", _fmt(abs(coef)), value)
+                value = self.emit("mul", fmt(abs(coef)), value)
             if acc is None:
                 acc = value if coef > 0 else self.emit("neg", value)
             else:

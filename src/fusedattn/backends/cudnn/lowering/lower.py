@@ -12,7 +12,7 @@ depends on:
   evaluated by XLA at call time into small float tensors (``[b|1, h|1, 1, 1]``
   for per-head slopes and the like) that the graph takes as inputs (`inputs`);
 * *dynamic* values (anything that depends on the score or an index) become
-  instructions of the program (csrc/cuda/cudnn_flex.h has the grammar).
+  instructions of the program (csrc/cuda/flex.h has the grammar).
 
 The backward program (score_mod_bprop) is JAX's derivative of the score_mod with
 respect to the score, lowered the same way and multiplied by the incoming gradient
@@ -45,10 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from . import flex_derivative, flex_hoist
-from .config import AttnConfig
-from .flex_program import Unsupported, _flatten, _is_int, _live, _Program, parse_lines
-from .score_mods import Masked
+from . import derivative as flex_derivative, hoist as flex_hoist
+from ....config import AttnConfig
+from .program import Unsupported, flatten, is_int, live, Program, parse_lines
+from ....score_mods import Masked
 
 __all__ = ["Lowered", "Unsupported", "lower", "masked_score_mod"]
 
@@ -144,16 +144,16 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         raise Unsupported(f"score_mod / mask_mod did not trace: {type(e).__name__}: {e}") from e
     forward_texts: Dict[str, str] = {}
 
-    def lower_one(closed, first: int, masks: frozenset = frozenset()) -> _Program:
+    def lower_one(closed, first: int, masks: frozenset = frozenset()) -> Program:
         consts = {v: np.asarray(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
         rename: Dict[object, object] = {}
-        eqns = _flatten(closed.jaxpr, rename, consts)
+        eqns = flatten(closed.jaxpr, rename, consts)
         out = closed.jaxpr.outvars[0]
         out = out if isinstance(out, Literal) else rename.get(out, out)
         is_bprop = closed is bwd
-        p = _Program(first, consts, forward_texts if is_bprop else None, masks)
+        p = Program(first, consts, forward_texts if is_bprop else None, masks)
         invars = closed.jaxpr.invars
-        result = p.lower(_live(eqns, [out]), out, dict(zip((invars[0], invars[3], invars[4]),
+        result = p.lower(live(eqns, [out]), out, dict(zip((invars[0], invars[3], invars[4]),
                                                            ("s", "q", "k"))))
         if is_bprop:
             result = p.times_gradient(result)
@@ -173,7 +173,7 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
     programs = [(pf, fwd), (pb, bwd)]
     _read_score_through_forward(programs[0][0], programs[1][0])
     shapes = tuple(_input_shape(p, v) for p, _ in programs for v in p.inputs)
-    ints = tuple(_is_int(v) for p, _ in programs for v in p.inputs)
+    ints = tuple(is_int(v) for p, _ in programs for v in p.inputs)
 
     def evaluate(args: Sequence[jax.Array], lengths: Sequence[jax.Array]):
         b, h = config.batch, config.h_q
@@ -206,7 +206,7 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
                    row_shift)
 
 
-def _hoist_row_terms(pf: _Program, pb: _Program):
+def _hoist_row_terms(pf: Program, pb: Program):
     """Leaves the forward's query-only terms out of it (`flex_hoist`), and inputs no
     program reads any more out of both. Returns the terms with their static inputs as
     vars, ((coefficient, factor vars, atom: "1", "q" or a var), ...), and as text."""
@@ -244,7 +244,7 @@ def _prune(lines: List[str], result: str) -> List[str]:
     return out
 
 
-def _masks_after_score_mod(forward: _Program, bprop: _Program) -> None:
+def _masks_after_score_mod(forward: Program, bprop: Program) -> None:
     """Orders the forward in the frontend's own form of a score_mod and its masks:
     each value's score chain first, its score-independent operands (a mask's
     comparison of positions) right before it, and every select to -inf with a
@@ -302,7 +302,7 @@ def _needed(parsed, result: str) -> set:
     return needed
 
 
-def _read_score_through_forward(forward: _Program, bprop: _Program) -> None:
+def _read_score_through_forward(forward: Program, bprop: Program) -> None:
     """A bprop that reads the score itself reads it through an `id` the forward makes
     first (cuDNN's engines refuse a bprop that reads the raw score)."""
     if "s" not in flex_hoist.tokens(bprop.lines):
@@ -318,7 +318,7 @@ def _read_score_through_forward(forward: _Program, bprop: _Program) -> None:
         for op, args in (line.split(":") for line in bprop.lines)]
 
 
-def _source(p: _Program, var):
+def _source(p: Program, var):
     """The var a chain of static broadcasts starts from, and where its dims land in
     `var` (None: all of them, in order)."""
     dims = None
@@ -333,7 +333,7 @@ def _constant_times_gradient(lines: List[str]) -> bool:
     return all(a == "g" or a[0] in "cv" for a in flex_hoist.tokens(lines))
 
 
-def _input_shape(p: _Program, var) -> Tuple[int, int, int, int]:
+def _input_shape(p: Program, var) -> Tuple[int, int, int, int]:
     """The 4-d [b|1, h|1, s_q|1, s_kv|1] shape a static input keeps."""
     src, dims = _source(p, var)
     shape = tuple(src.aval.shape)
@@ -349,7 +349,7 @@ def _input_shape(p: _Program, var) -> Tuple[int, int, int, int]:
     return shape
 
 
-def _evaluate_static(p: _Program, closed, batch, head, rest):
+def _evaluate_static(p: Program, closed, batch, head, rest):
     """Every static value (XLA ops on the real batch / head indices and arguments)."""
     invars = closed.jaxpr.invars
     env = dict(zip(invars[1:3], (batch, head)))
@@ -366,7 +366,7 @@ def _evaluate_static(p: _Program, closed, batch, head, rest):
     return env
 
 
-def _materialize(p: _Program, env, var, shape):
+def _materialize(p: Program, env, var, shape):
     src, _ = _source(p, var)
-    dtype = jnp.int32 if _is_int(var) else jnp.float32
+    dtype = jnp.int32 if is_int(var) else jnp.float32
     return jnp.asarray(env[src]).astype(dtype).reshape(shape)

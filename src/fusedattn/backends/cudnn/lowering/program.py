@@ -1,8 +1,8 @@
-"""One jaxpr's lowering into a program of cuDNN pointwise instructions (`_Program`):
+"""One jaxpr's lowering into a program of cuDNN pointwise instructions (`Program`):
 which equations are dynamic (instructions) and which static (XLA evaluates them),
 the forms cuDNN's engines take (int32 index arithmetic, masks as selects), and the
 jaxpr plumbing it needs (inlined calls, live equations). `fusedattn.flex_lowering`
-puts a call's two programs together; csrc/cuda/cudnn_flex.h has the grammar."""
+puts a call's two programs together; csrc/cuda/flex.h has the grammar."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from .flex_derivative import FUSED_BWD
+from .derivative import FUSED_BWD
 
 _INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
            "custom_vjp_call_jaxpr", "remat", "checkpoint")  # calls whose body is inlined
@@ -39,7 +39,7 @@ class Unsupported(ValueError):
     """The score_mod uses something cuDNN cannot express; the message names it."""
 
 
-def _fmt(value: float) -> str:
+def fmt(value: float) -> str:
     return "c" + repr(float(value))
 
 
@@ -64,7 +64,7 @@ class _Var:
         self.aval = aval
 
 
-def _flatten(jaxpr, rename: Dict[object, object], consts: Dict[object, np.ndarray],
+def flatten(jaxpr, rename: Dict[object, object], consts: Dict[object, np.ndarray],
              fresh: bool = False) -> List[_Eqn]:
     """The equations of `jaxpr` with pjit / custom_jvp / ... calls inlined; inside an
     inlined call (`fresh`) every variable is renamed to a new `_Var`."""
@@ -90,7 +90,7 @@ def _flatten(jaxpr, rename: Dict[object, object], consts: Dict[object, np.ndarra
             for var, const in zip(inner.constvars, getattr(sub, "consts", ())):
                 inner_rename[var] = _Var(var.aval)
                 consts[inner_rename[var]] = np.asarray(const)
-            flat += _flatten(inner, inner_rename, consts, fresh=True)
+            flat += flatten(inner, inner_rename, consts, fresh=True)
             for inner_out, outer_out in zip(inner.outvars, eqn.outvars):
                 target = inner_out if isinstance(inner_out, Literal) \
                     else inner_rename.get(inner_out, inner_out)
@@ -100,7 +100,7 @@ def _flatten(jaxpr, rename: Dict[object, object], consts: Dict[object, np.ndarra
     return flat
 
 
-def _live(eqns: List[_Eqn], outs) -> List[_Eqn]:
+def live(eqns: List[_Eqn], outs) -> List[_Eqn]:
     """The equations the outputs need, in order (a derivative's jaxpr also holds the
     forward's now unused reduction, and inlined calls their unused outputs)."""
     needed = {v for v in outs if not isinstance(v, Literal)}
@@ -112,7 +112,7 @@ def _live(eqns: List[_Eqn], outs) -> List[_Eqn]:
     return kept[::-1]
 
 
-class _Program:
+class Program:
     """Lowers one flattened jaxpr: dynamic equations to instructions, the static values
     they read to inputs (evaluated by XLA), scalar constants folded into the text."""
 
@@ -199,17 +199,17 @@ class _Program:
     def operand(self, atom) -> str:
         """The program operand of an atom (dynamic value, constant or static input)."""
         if isinstance(atom, Literal):
-            return _fmt(atom.val)
+            return fmt(atom.val)
         if atom in self.value:
             return self.value[atom]
         if atom in self.const:
-            return _fmt(self.const[atom])
+            return fmt(self.const[atom])
         if atom not in self.inputs:
             self.inputs.append(atom)
         name = f"a{self.first_input + self.inputs.index(atom)}"
         if atom.aval.dtype == jnp.bool_:  # static inputs travel as float 0 / 1
             return self.emit("ne", name, "c0.0")
-        if _is_int(atom):
+        if is_int(atom):
             self.ints.add(name)
         return name
 
@@ -293,7 +293,7 @@ class _Program:
                 raise Unsupported(f"score_mod applies bitwise {name!r} to integers; cuDNN's "
                                   f"logical operations take predicates only")
             return self.emit(_LOGICAL[name], *(a(i) for i in range(len(ins))))
-        if name in ("pjit", "jit"):  # what `_flatten` keeps whole: one cuDNN op each
+        if name in ("pjit", "jit"):  # what `flatten` keeps whole: one cuDNN op each
             call = eqn.params["name"]
             if call in FUSED_BWD:
                 return self.emit(FUSED_BWD[call], a(0), a(1))
@@ -320,7 +320,7 @@ class _Program:
         if name == "integer_pow":
             y = eqn.params["y"]
             x = a(0)
-            return self.emit_arith("mul", integer, x, x) if y == 2 else self.emit("pow", x, _fmt(y))
+            return self.emit_arith("mul", integer, x, x) if y == 2 else self.emit("pow", x, fmt(y))
         if name == "square":
             x = a(0)
             return self.emit_arith("mul", integer, x, x)
@@ -328,7 +328,7 @@ class _Program:
             x = a(0)
             return self.emit("sub", "c1.0", self.emit("mul", x, x))
         if name == "exp2":
-            return self.emit("exp", self.emit("mul", a(0), _fmt(math.log(2.0))))
+            return self.emit("exp", self.emit("mul", a(0), fmt(math.log(2.0))))
         if name == "log1p":
             return self.emit("log", self.emit("add", a(0), "c1.0"))
         if name == "expm1":
@@ -402,5 +402,5 @@ def _finite_constant(operand: str) -> bool:
     return operand.startswith("c") and math.isfinite(float(operand[1:]))
 
 
-def _is_int(var) -> bool:
+def is_int(var) -> bool:
     return jnp.issubdtype(var.aval.dtype, jnp.integer)

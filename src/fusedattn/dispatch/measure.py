@@ -37,8 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import plan_cache
-from .config import AttnConfig
+from .. import plan_cache
+from ..backends import extension, flash
+from ..config import AttnConfig
+from ..inputs import AttnInputs
+from .registry import load_backend
 
 log = logging.getLogger("fusedattn")
 
@@ -176,8 +179,7 @@ def _valid(stored, candidates) -> bool:
 def machine_identity() -> dict:
     """What a stored choice is valid for: the GPU model and every library version that
     could change a timing."""
-    from .backends import flash, native  # noqa: PLC0415
-    versions = native.versions()
+    versions = extension.versions()
     return {"gpu": jax.devices()[0].device_kind, "jax": jax.__version__,
             "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else None,
             "cudnn": versions.get("cudnn"), "cudnn_frontend": versions.get("cudnn_frontend"),
@@ -242,9 +244,6 @@ def _random_inputs(shapes, dtype):
 
 
 def _measure(config: AttnConfig, candidates: Tuple[str, ...], step: str):
-    from .backends.base import AttnInputs  # noqa: PLC0415
-    from .dispatch import load_backend  # noqa: PLC0415
-
     dtype = jnp.dtype(config.dtype)
     shapes = ((config.batch, config.s_q, config.h_q, config.d_qk),
               (config.batch, config.s_kv, config.h_kv, config.d_qk),

@@ -24,8 +24,8 @@ import os
 import threading
 from typing import Dict, Optional, Tuple
 
-from .. import plan_cache
-from . import native
+from ... import plan_cache
+from .. import extension
 
 GRAPHS = ("forward_inference", "forward_training", "backward")
 
@@ -105,10 +105,10 @@ def probe(key: str, targets: Tuple[str, ...]) -> Probe:
     with _probe_lock:
         found = _probes.get(key)
         if found is None:
-            why = native.ensure_targets(targets, "cuda")
+            why = extension.ensure_targets(targets, "cuda")
             if why is not None:  # not cached: the extension may load later
                 return Probe(False, why)
-            r = _check_support(native.module("cuda"), key)
+            r = _check_support(extension.module("cuda"), key)
 
             def per_graph(field, default):
                 return tuple(type(default)(r.get(field, {}).get(g, default)) for g in GRAPHS)
@@ -139,7 +139,7 @@ def _check_support(module, key: str) -> dict:
 
 # How csrc builds a key's graphs: a stored plan is only valid for the graph it was made
 # for, so this changes whenever the same key builds another graph (2: a forward
-# program's index nodes generated from its latest value, csrc/cuda/cudnn_flex.cc).
+# program's index nodes generated from its latest value, csrc/cuda/flex.cc).
 GRAPH_FORM = 2
 
 
@@ -200,8 +200,8 @@ def set_graph_cache_size(entries: int) -> None:
     if isinstance(entries, bool) or not isinstance(entries, int) or entries < 1:
         raise ValueError(f"entries must be an int >= 1, got {entries!r}")
     _graph_cache_size, _size_applied = entries, False
-    if native.load("cuda") is not None:
-        _apply_graph_cache_size(native.module("cuda"))
+    if extension.load("cuda") is not None:
+        _apply_graph_cache_size(extension.module("cuda"))
 
 
 def _apply_graph_cache_size(module) -> None:
@@ -225,6 +225,6 @@ def _apply_graph_cache_size(module) -> None:
 def graph_cache_stats() -> Dict[str, int]:
     """The native graph cache's counters: entries, capacity, builds, from_plans (builds
     from a stored plan), hits, evictions. Empty without the CUDA extension."""
-    if native.load("cuda") is None:
+    if extension.load("cuda") is None:
         return {}
-    return dict(native.module("cuda").cudnn_cache_stats())
+    return dict(extension.module("cuda").cudnn_cache_stats())
