@@ -6,7 +6,7 @@ FLOPs halved), ratios to each anchor, the measured device ceilings, the first
 graph build (wall time of the probe, which builds its three graphs at once, and
 each graph's build time) and the cost of re-tracing a cached config.
 
-    python benchmarks/bench_attention.py [--quick]
+    python -m benchmarks.bench_attention [--quick]
 
 Writes benchmarks/results/attention_<device>.json and .png.
 """
@@ -15,20 +15,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import (RESULTS_DIR, device_meta, device_slug, measure_ceilings, print_table,  # noqa: E402
-                    row_grid, run_main, step, time_row, warm_into, write_results)
-
-import fusedattn  # noqa: E402
-from fusedattn import plan_cache  # noqa: E402
-from fusedattn.backends import cudnn  # noqa: E402
-from fusedattn.config import AttnConfig  # noqa: E402
+import fusedattn
+from benchmarks.common import (RESULTS_DIR, device_meta, device_slug, measure_ceilings,
+                               print_table, row_grid, run_main, step, time_row, warm_into,
+                               write_results)
+from fusedattn import plan_cache
+from fusedattn.backends import cudnn
+from fusedattn.config import AttnConfig
 
 # (name, batch, seq, h_q, h_kv, head dim)
 SHAPES = [

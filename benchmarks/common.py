@@ -140,6 +140,15 @@ def measure_ceilings() -> Dict[str, float]:
     return {"copy_GBps": copy_gbps, "bf16_matmul_TFLOPs": 2 * n**3 / t / 1e12}
 
 
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+
+
+def collectives(hlo_text: str) -> Dict[str, int]:
+    """How many of each collective the compiled HLO holds (async pairs counted once).
+    The same count as the sharding tests' helper; the benchmarks do not import tests."""
+    return {c: len(re.findall(rf"= [^=]*? {c}(?:-start)?\(", hlo_text)) for c in COLLECTIVES}
+
+
 def device_meta() -> Dict[str, str]:
     """Device, software versions and date, recorded with every result file."""
     dev = jax.devices()[0]

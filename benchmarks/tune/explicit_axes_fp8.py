@@ -4,7 +4,7 @@ FP8 calls go through the same partitioning rule as cuDNN's (backends/native_call
 so this shows on CPU what 2x H200 showed with cuDNN: an all-gather of FP8 tensors.
 
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python benchmarks/tune/explicit_axes_fp8.py
+        python -m benchmarks.tune.explicit_axes_fp8
 """
 from __future__ import annotations
 
