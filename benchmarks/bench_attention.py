@@ -40,9 +40,8 @@ QUICK = SHAPES[:1]
 DTYPE = jnp.bfloat16
 # Rows set providers that run the very same program side by side (auto beside
 # flash-attn3 at d128, beside fusedattn-cudnn at d64 / d256). Timed with common.py's
-# default 7 rounds of 25 ms, such pairs came out up to 7% apart (H100, 2026-11-24
-# 17:55 UTC: d256 fwd+bwd, auto and cudnn both cuDNN, 391 vs 418 TFLOP/s), so rows are
-# timed longer.
+# default 7 rounds of 25 ms, such pairs came out several percent apart
+# (docs/decisions.md), so rows are timed longer.
 TIMING = dict(rounds=15, min_round_s=0.05)
 # jax.nn's XLA path materialises [b, h, s, s] logits; beyond this many it is skipped.
 XLA_MAX_LOGITS = 2**31

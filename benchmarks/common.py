@@ -106,8 +106,8 @@ def time_interleaved(calls: Dict[str, Tuple[Callable, tuple]], rounds: int = 7,
     Rounds go round-robin over the entries, so a drift of the device's clocks
     touches every entry alike and their ratios stay honest. Each round runs them in
     a new (seeded) order: in one fixed order an entry always follows the same
-    neighbour, and there (H100, 2026-11-24) two entries running the very same FA3
-    kernels came out 1-5% apart, while head to head they ran alike. Each
+    neighbour, and there two entries running the very same kernels came out several
+    percent apart while head to head they ran alike (docs/decisions.md). Each
     round repeats a call until it lasts about `min_round_s`, so short kernels are not
     timed against host jitter.
     """
