@@ -10,7 +10,7 @@ runs with an empty cache directory, "warm" with the one the cold run filled. The
 the probe either way; the "second config" column is a probe of another config
 after the first one, which no longer pays for it.
 
-    python benchmarks/bench_first_call.py
+    python -m benchmarks.bench_first_call
 
 Writes benchmarks/results/first_call_<device>.json.
 """
@@ -22,10 +22,9 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import device_meta, device_slug, print_table, run_main, write_results  # noqa: E402
+import jax
 
-import jax  # noqa: E402
+from benchmarks.common import device_meta, device_slug, print_table, run_main, write_results
 
 # (name, head dim, causal)
 CONFIGS = [("d64 causal", 64, True), ("d128", 128, False), ("d128 causal", 128, True),

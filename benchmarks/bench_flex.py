@@ -6,7 +6,7 @@ JAX rows run round-robin in this process (benchmarks/common.py); PyTorch runs in
 child process (the two frameworks do not share GPU memory) timing its rows the
 same way, on the same shapes. b4 s4096 h16 d128 bf16.
 
-    python benchmarks/bench_flex.py
+    python -m benchmarks.bench_flex
 
 Writes benchmarks/results/flex_<device>.json.
 """
@@ -21,14 +21,12 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import _inputs  # noqa: E402
-from common import (device_meta, device_slug, print_table, run_main, step, time_row,  # noqa: E402
-                    warm_into, write_results)
-
-import fusedattn  # noqa: E402
-from fusedattn import causal_chunks, score_mods  # noqa: E402
-from fusedattn.config import AttnConfig  # noqa: E402
+import fusedattn
+from benchmarks.bench_attention import _inputs
+from benchmarks.common import (device_meta, device_slug, print_table, run_main, step, time_row,
+                               warm_into, write_results)
+from fusedattn import causal_chunks, score_mods
+from fusedattn.config import AttnConfig
 
 B, S, H, D = 4, 4096, 16, 128
 SLOPES = jnp.asarray(score_mods.alibi_slopes(H))

@@ -3,7 +3,7 @@
 b2 s256 h4 d64 bf16 config per probe program and prints ok / the first line of
 cuDNN's refusal. Informs flex_lowering's choices; needs a GPU.
 
-    python benchmarks/tune/flex_ops.py
+    python -m benchmarks.tune.flex_ops
 """
 from __future__ import annotations
 
