@@ -8,8 +8,10 @@ fold into one per-row interval term, so adding them to any map is cheap.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Tuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -104,6 +106,14 @@ def intersect(*maps: BlockMap) -> BlockMap:
 def from_element(element: ElementMask, block: Tuple[int, int]) -> BlockMap:
     """Classify `element` (its interval terms merged into one) and list its blocks."""
     element = _merge_intervals(element)
+    if element.static:
+        return BlockMap.from_kind(classify(element, block), element, block)
+    return _on_device(element, block)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _on_device(element: ElementMask, block: Tuple[int, int]) -> BlockMap:
+    # One compiled program per mask: eager op-by-op dispatch would compile each op.
     return BlockMap.from_kind(classify(element, block), element, block)
 
 
