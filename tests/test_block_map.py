@@ -304,6 +304,25 @@ def test_static_map_needs_no_device_work():
     assert not jaxpr.eqns
 
 
+def test_large_static_mask_runs_on_the_device(monkeypatch):
+    """Past the host limit a position-only mask is classified on the device, same map."""
+    from fusedattn.block_sparse import classify
+    host = bs.block_map(sliding, s_q=300, s_kv=280, block=(64, 32))
+    monkeypatch.setattr(classify, "MAX_HOST_ELEMENTS", 1000)
+    device = bs.block_map(sliding, s_q=300, s_kv=280, block=(64, 32), mask="causal")
+    assert host.static and not device.static
+    np.testing.assert_array_equal(np.asarray(device.kind), host.kind)
+    check(device, dense_mod(sliding, 1, 1, 300, 280))
+
+
+def test_static_kinds_are_cached():
+    a = bs.block_map(prefix_lm, s_q=384, s_kv=384, mask="causal", window=[200, 0])
+    b = bs.block_map(prefix_lm, 2, 2, 384, 384, mask="causal", window=(200, 0))
+    assert a.kind is b.kind  # one host evaluation for both
+    c = bs.block_map(prefix_lm, s_q=384, s_kv=384, mask="causal", window=(100, 0))
+    assert not np.array_equal(a.kind, c.kind)
+
+
 def test_device_map_under_jit():
     ids = jnp.asarray(doc_ids(np.random.default_rng(3), 2, 300, 3, sort=False), jnp.int32)
 
@@ -347,8 +366,15 @@ def test_describe_and_density():
     assert bm.density() == pytest.approx(10 / 16)
     assert bm.counts() == (4, 6, 16)
     assert "62.5% of blocks visible (4 partial, 6 full, 6 empty)" in bm.describe()
-    traced = jax.jit(lambda x: bs.from_dense_mask(x).describe() and 0)  # describe under trace
+    seen = []
+
+    @jax.jit
+    def traced(x):
+        bm = bs.from_dense_mask(x)
+        seen.append((bm.describe(), bm.density()))
+        return bm.kind
     traced(jnp.ones((1, 1, 256, 256), bool))
+    assert seen[0][1] is None and "(on the device): density known when it runs" in seen[0][0]
 
 
 def test_bad_arguments():

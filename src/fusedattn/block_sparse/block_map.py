@@ -60,9 +60,10 @@ class BlockMap:
 
     @classmethod
     def from_kind(cls, kind, element: ElementMask, block: Tuple[int, int]) -> "BlockMap":
-        """Derive the lists from the block kinds (numpy in, numpy out)."""
+        """Derive the lists from the block kinds (numpy in, numpy out; numpy arrays
+        are made read-only, as they are constants shared by every trace)."""
         xp = np if isinstance(kind, np.ndarray) else jnp
-        kind = kind.astype(np.int32)
+        kind = kind.astype(np.int32, copy=False)
         by_q = [pack(kind == PARTIAL, xp), pack(kind == FULL, xp)]
         kind_t = xp.swapaxes(kind, -1, -2)
         by_kv = [pack(kind_t == PARTIAL, xp), pack(kind_t == FULL, xp)]

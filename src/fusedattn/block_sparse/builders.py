@@ -18,7 +18,7 @@ import numpy as np
 from ..sequence import SequenceDescriptor
 from . import builtin
 from .block_map import BlockMap
-from .classify import classify
+from .classify import classify, on_host
 from .terms import Dense, ElementMask, Intervals, MaskMod, Segments, is_host
 
 DEFAULT_BLOCK = (128, 128)
@@ -51,7 +51,11 @@ def block_map(mask_mod=None, b: int = 1, h: int = 1, s_q: Optional[int] = None,
         terms.append(MaskMod.build(mask_mod, tuple(args), _positive(b, "b"), _positive(h, "h"),
                                    s_q, s_kv, *pos))
     terms.append(builtin.intervals(s_q, s_kv, mask, window, sequence))
-    return from_element(ElementMask(terms, s_q, s_kv), block)
+    element = ElementMask(terms, s_q, s_kv)
+    key = None
+    if element.static:  # the kinds are a function of these alone
+        key = (mask_mod, s_q, s_kv, mask, None if window is None else tuple(window), block)
+    return from_element(element, block, cache_key=key)
 
 
 def from_builtin(s_q: int, s_kv: Optional[int] = None, *, mask: str = "none", window=None,
@@ -103,18 +107,39 @@ def intersect(*maps: BlockMap) -> BlockMap:
     return from_element(ElementMask(terms, first.s_q, first.s_kv), first.block)
 
 
-def from_element(element: ElementMask, block: Tuple[int, int]) -> BlockMap:
-    """Classify `element` (its interval terms merged into one) and list its blocks."""
+def from_element(element: ElementMask, block: Tuple[int, int], cache_key=None) -> BlockMap:
+    """Classify `element` (its interval terms merged into one) and list its blocks.
+    A static map's kinds are kept under `cache_key` (hashable, or None), so a map
+    rebuilt every step (or every trace) costs its host work once."""
     element = _merge_intervals(element)
-    if element.static:
-        return BlockMap.from_kind(classify(element, block), element, block)
+    if on_host(element):
+        return BlockMap.from_kind(_host_kind(element, block, cache_key), element, block)
     return _on_device(element, block)
+
+
+_HOST_KINDS: dict = {}
+_HOST_KINDS_SIZE = 64
+
+
+def _host_kind(element: ElementMask, block, key):
+    try:
+        kind = _HOST_KINDS.get(key) if key is not None else None
+    except TypeError:  # an unhashable mask_mod: no caching
+        key = kind = None
+    if kind is None:
+        kind = classify(element, block, host=True)
+        kind.flags.writeable = False
+        if key is not None:
+            if len(_HOST_KINDS) >= _HOST_KINDS_SIZE:
+                _HOST_KINDS.pop(next(iter(_HOST_KINDS)))
+            _HOST_KINDS[key] = kind
+    return kind
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _on_device(element: ElementMask, block: Tuple[int, int]) -> BlockMap:
     # One compiled program per mask: eager op-by-op dispatch would compile each op.
-    return BlockMap.from_kind(classify(element, block), element, block)
+    return BlockMap.from_kind(classify(element, block, host=False), element, block)
 
 
 def _merge_intervals(element: ElementMask) -> ElementMask:

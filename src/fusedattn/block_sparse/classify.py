@@ -22,11 +22,22 @@ from .terms import Dense, ElementMask, Intervals
 
 # Booleans per step of the block loop (host chunks and device lax.map batches).
 CHUNK_ELEMENTS = 1 << 24
+# Element-wise evaluation on the host beyond this many pairs (about 1 s at 16k x 16k)
+# is slower than a trace should be: such static masks are classified on the device.
+MAX_HOST_ELEMENTS = 1 << 28
 
 
-def classify(element: ElementMask, block: Tuple[int, int]):
-    """``[B|1, H|1, n_q, n_kv]`` int32 kinds; numpy when `element` is static."""
-    host = element.static
+def on_host(element: ElementMask) -> bool:
+    """Whether `element`'s map is computed on the host (static and cheap enough)."""
+    if not element.static:
+        return False
+    if len(element.terms) == 1 and isinstance(element.terms[0], (Dense, Intervals)):
+        return True  # no element-wise evaluation (a dense mask is already on the host)
+    return element.batch * element.heads * element.s_q * element.s_kv <= MAX_HOST_ELEMENTS
+
+
+def classify(element: ElementMask, block: Tuple[int, int], host: bool):
+    """``[B|1, H|1, n_q, n_kv]`` int32 kinds; numpy when `host`."""
     terms = element.terms
     if len(terms) == 1 and isinstance(terms[0], Dense):
         return _dense(terms[0].mask, element, block, np if host else jnp)
