@@ -304,6 +304,18 @@ def test_static_map_needs_no_device_work():
     assert not jaxpr.eqns
 
 
+def test_static_map_under_jit_with_unread_args():
+    """A mask_mod given arguments it does not read still has a static map in a trace."""
+    @jax.jit
+    def build(table):
+        bm = bs.block_map(lambda b, h, i, j, t: (j <= i) & (i - j < 64), s_q=256, s_kv=256,
+                          args=(table,), block=(32, 32))
+        assert bm.static and isinstance(bm.kind, np.ndarray)
+        return bm
+    bm = build(jnp.ones((8,), jnp.float32))
+    check(bm, band(256, 256, "causal", (63, 0))[None, None])
+
+
 def test_large_static_mask_runs_on_the_device(monkeypatch):
     """Past the host limit a position-only mask is classified on the device, same map."""
     from fusedattn.block_sparse import classify

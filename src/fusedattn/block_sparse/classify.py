@@ -88,6 +88,9 @@ def _element_fn(element: ElementMask, block, host: bool):
     h = xp.arange(H, dtype=np.int32).reshape(1, H, 1, 1)
     kv = xp.arange(n_kv * bk, dtype=np.int32).reshape(1, 1, 1, -1)
 
+    if host:
+        element = element.for_host()
+
     def fn(rows):
         q = rows.reshape(1, 1, -1, 1)
         if host:

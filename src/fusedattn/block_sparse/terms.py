@@ -59,6 +59,13 @@ class MaskMod:
     def static(self) -> bool:
         return self.reads.positions_only and self.q_pos is None
 
+    def without_args(self) -> "MaskMod":
+        """The same function with zeros for its arguments: what a static map is
+        evaluated with at trace time (the arguments may be tracers it never reads)."""
+        zeros = tuple(np.zeros(np.shape(a), np.result_type(a)) for a in self.args)
+        return MaskMod(self.fn, zeros, self.q_pos, self.kv_pos, reads=self.reads,
+                       batch=self.batch, heads=self.heads)
+
     def __call__(self, b, h, q, kv):
         if self.q_pos is not None:
             q, kv = _row(self.q_pos, b, q), _row(self.kv_pos, b, kv)
@@ -194,6 +201,11 @@ class ElementMask:
     @property
     def static(self) -> bool:
         return all(t.static for t in self.terms)
+
+    def for_host(self) -> "ElementMask":
+        """This mask with mask_mods' unread arguments replaced (see `MaskMod.without_args`)."""
+        return ElementMask([t.without_args() if isinstance(t, MaskMod) else t
+                            for t in self.terms], self.s_q, self.s_kv)
 
     def __call__(self, b, h, q, kv):
         visible = (q < self.s_q) & (kv < self.s_kv)
