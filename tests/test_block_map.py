@@ -398,3 +398,19 @@ def test_bad_arguments():
         bs.from_dense_mask(np.ones((4, 4), np.int32))
     with pytest.raises(TypeError):
         bs.block_map(sliding, s_q=64, block=64)
+
+
+def test_map_shards_with_the_batch_axis():
+    """Every leaf of a per-batch map leads with the batch axis, so one sharding of
+    the batch axis places the whole map (as it places q, k, v)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    if len(jax.devices()) < 2:
+        pytest.skip("needs two devices")
+    ids = jnp.asarray(doc_ids(np.random.default_rng(6), 2, 256, 3), jnp.int32)
+    bm = bs.from_segment_ids(ids, block=(64, 64))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("b",))
+    sharded = jax.device_put(bm, NamedSharding(mesh, P("b")))
+    counts = jax.jit(lambda m: m.kv_num_blocks + m.full_kv_num_blocks)(sharded)
+    assert len(sharded.kv_indices.sharding.device_set) == 2
+    np.testing.assert_array_equal(np.asarray(counts),
+                                  np.asarray(bm.kv_num_blocks + bm.full_kv_num_blocks))
