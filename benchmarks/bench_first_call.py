@@ -56,7 +56,7 @@ t0 = time.perf_counter()
 jax.block_until_ready(step(q))
 call_s = time.perf_counter() - t0
 # backend="auto": where flash runs the config too, its first call times both backends
-# (fusedattn.backend_choice) unless the persistent cache holds the choice.
+# (fusedattn.dispatch.measure) unless the persistent cache holds the choice.
 auto = jax.jit(jax.grad(lambda q: jnp.sum(fusedattn.fused_attn(q, q, q, mask=mask) * 2)))
 t0 = time.perf_counter()
 jax.block_until_ready(auto(q))

@@ -25,7 +25,8 @@ import fusedattn
 from benchmarks.bench_attention import _inputs
 from benchmarks.common import (device_meta, device_slug, print_table, run_main, step, time_row,
                                warm_into, write_results)
-from fusedattn import causal_chunks, score_mods
+from fusedattn import score_mods
+from fusedattn.backends.cudnn import causal_chunks
 from fusedattn.config import AttnConfig
 
 B, S, H, D = 4, 4096, 16, 128
@@ -43,7 +44,7 @@ CASES = {
 
 # Query chunk counts tried for causal cases (FUSEDATTN_FLEX_CAUSAL_CHUNKS), beside the
 # default (one call, whose hidden tiles cuDNN skips); a mask_mod's case tries one call
-# (its default is the chunks of fusedattn.mask_chunks).
+# (its default is the chunks of fusedattn.backends.cudnn.mask_chunks).
 CHUNKS = (4,)
 
 
@@ -143,8 +144,8 @@ def main():
             "fusedattn-cudnn-plain": lambda q, k, v, mk=mask:
                 fusedattn.fused_attn(q, k, v, mask=mk, backend="cudnn"),
         }
-        # The causal score_mod in query chunks (fusedattn.causal_chunks), a mask_mod in
-        # the chunks its blocks give (fusedattn.mask_chunks, off with chunks1).
+        # The causal score_mod in query chunks (fusedattn.backends.cudnn.causal_chunks), a mask_mod in
+        # the chunks its blocks give (fusedattn.backends.cudnn.mask_chunks, off with chunks1).
         for n in CHUNKS if mask == "causal" else (1,) if mask_mod is not None else ():
             # a function of its own: jit would reuse the unchunked trace of the same one
             impls[f"fusedattn-cudnn-flex-chunks{n}"] = (

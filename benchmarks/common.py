@@ -165,7 +165,7 @@ def device_meta() -> Dict[str, str]:
     except Exception:
         pass
     try:
-        from fusedattn.backends import native
+        from fusedattn.backends import extension as native
         meta.update(native.versions())
     except Exception:
         pass

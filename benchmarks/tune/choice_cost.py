@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import fusedattn  # noqa: E402
-from fusedattn import backend_choice as bc  # noqa: E402
+from fusedattn.dispatch import measure as bc  # noqa: E402
 from fusedattn.config import AttnConfig  # noqa: E402
 from fusedattn.dispatch import load_backend  # noqa: E402
 

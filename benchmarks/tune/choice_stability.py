@@ -11,7 +11,7 @@ from __future__ import annotations
 import fusedattn
 from benchmarks.bench_attention import _inputs
 from benchmarks.common import run_main, step, time_interleaved, warm_into
-from fusedattn import backend_choice
+from fusedattn.dispatch import measure as backend_choice
 from fusedattn.config import AttnConfig
 
 B, S, H, D = 4, 4096, 16, 128

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import fusedattn
 from benchmarks.bench_attention import _inputs
 from benchmarks.common import print_table, run_main, step, time_row, warm_into
-from fusedattn import causal_chunks, score_mods
+from fusedattn import score_mods
+from fusedattn.backends.cudnn import causal_chunks
 from fusedattn.config import AttnConfig
 
 os.environ[causal_chunks.ENV_CHUNKS] = "1"  # one call each: what cuDNN itself skips

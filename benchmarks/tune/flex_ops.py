@@ -7,7 +7,8 @@ cuDNN's refusal. Informs flex_lowering's choices; needs a GPU.
 """
 from __future__ import annotations
 
-from fusedattn.backends import cudnn, native
+from fusedattn.backends import cudnn
+from fusedattn.backends import extension as native
 from fusedattn.config import AttnConfig
 
 BASE = AttnConfig(batch=2, s_q=256, s_kv=256, h_q=4, h_kv=4, d_qk=64, d_v=64, dtype="bfloat16",

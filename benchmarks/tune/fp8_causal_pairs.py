@@ -1,5 +1,5 @@
 """How many (batch, head) pairs should one call of cuDNN's causal FP8 backward take
-(backends/cudnn_fp8.py, CAUSAL_BACKWARD_PAIRS)?
+(backends/cudnn/fp8.py, CAUSAL_BACKWARD_PAIRS)?
 
 Causal forward+backward, timed round-robin in one process: precision="fp8" and the
 explicit FP8 kernels (fp8.attention on FP8 tensors), with the backward as one call
@@ -19,7 +19,7 @@ import fusedattn
 from benchmarks.bench_fp8 import explicit_inputs
 from benchmarks.common import fwd_bwd, time_interleaved, warmed
 from fusedattn import fp8
-from fusedattn.backends import cudnn_fp8
+from fusedattn.backends.cudnn import fp8 as cudnn_fp8
 from fusedattn.config import AttnConfig
 
 SHAPES = [(4, 4096, 16, 16), (8, 2048, 16, 16), (16, 4096, 16, 16), (4, 4096, 32, 8),
