@@ -2,12 +2,11 @@
 package, ``pip install fusedattn[flash]``) for the configs they compute exactly as
 fusedattn's contract says.
 
-Why it exists: on H100 at head dim 128, FA3 is 11-18% faster than the plans
-cuDNN's heuristics pick with a causal mask (forward and backward) and in the
-backward without one, while cuDNN leads at head dim 64 and FA3 stops at 128
-(benchmarks/results/SUMMARY.md). With
-``backend="auto"`` dispatch runs it only where cudnn runs the same config too and
-a measurement on this GPU says it is faster (`fusedattn.backend_choice`);
+Why it exists: at head dim 128 FA3 can be faster than the plans cuDNN's heuristics
+pick, at other shapes cuDNN leads, and FA3 stops at head dim 128
+(benchmarks/results/SUMMARY.md). With ``backend="auto"`` dispatch runs it only where
+cudnn runs the same config too and a measurement on this GPU says it is faster
+(`fusedattn.dispatch.measure`);
 ``backend="flash"`` forces it.
 
 It exposes the per-device `forward` / `backward` that `native_op` wraps, so it

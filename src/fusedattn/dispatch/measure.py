@@ -1,8 +1,8 @@
 """Choosing between backends that both run a config exactly, by measured speed.
 
 On CUDA, cudnn and flash (FlashAttention-3) serve the same common training configs,
-and which is faster depends on the shape: FA3 leads at head dim 128 forward+backward,
-cuDNN at head dim 64 (benchmarks/results/SUMMARY.md). When `backend="auto"` finds
+and which is faster depends on the shape and the GPU (benchmarks/results/SUMMARY.md).
+When `backend="auto"` finds
 more than one backend of a `RIVALS` group usable, each step of a config is timed on
 this GPU the first time a call needs it: "inference" (the forward alone, what a call
 nobody differentiates runs) and "training" (forward+backward, what a differentiated
@@ -13,8 +13,7 @@ needed spares a training job's first step the forward-only timings it never uses
 
 Measuring one step costs one compilation per rival, side by side (while the random
 inputs are made), 0.2 s of warm-up and a few runs per rival, once per config and
-machine: 0.48-0.61 s for a training step at b4 s4096 h16 (H100, 2026-11-24,
-`benchmarks/tune/choice_cost.py`), and a cold first auto step 0.63-0.72 s in all. A
+machine (its cost: docs/decisions.md, `benchmarks/tune/choice_cost.py`). A
 config beyond `MAX_ROWS` query rows is timed at a smaller batch (`measured_config`):
 a larger batch repeats the same tiles, and a sharded call's global batch need not fit
 on one device. ``FUSEDATTN_MEASURE=0`` turns it off: the preference order decides
@@ -49,16 +48,14 @@ ENV_MEASURE = "FUSEDATTN_MEASURE"
 # Per platform, backends that may run the same configs; listed in preference order.
 RIVALS: Dict[str, Tuple[str, ...]] = {"cuda": ("cudnn", "flash")}
 # Each timing repeats a step for about this long, best of ROUNDS interleaved rounds,
-# after WARM_SECONDS of running every step (the GPU's clocks settle after the
-# compilations; H100, 2026-11-24: with 3 rounds and no such warm-up one run picked
-# cudnn for a causal d128 forward that FA3 runs 11% faster). Three measurements of
-# b4 s4096 h16 d128 (benchmarks/tune/choice_stability.py) agreed within 1%.
+# after WARM_SECONDS of running every step: the GPU's clocks settle after the
+# compilations, and without the warm-up a close choice flipped (docs/decisions.md).
 MIN_SECONDS = 0.01
 ROUNDS = 5
 WARM_SECONDS = 0.2
 # What stored timings mean; bumped when what or how we measure changes, so choices
-# stored before are measured again. 2 (2026-11-24): flash trains every config it runs,
-# and the warm-up before the rounds. 3 (2026-11-24): one entry per step.
+# stored before are measured again. 2: flash trains every config it runs, and the
+# warm-up before the rounds. 3: one entry per step.
 STORE_REVISION = 3
 # The steps a choice is made for: "inference" times the forward alone (calls nobody
 # differentiates), "training" forward + backward (differentiated calls).
@@ -227,10 +224,9 @@ def _random_inputs(shapes, dtype):
     """Random device arrays of `shapes`, made on the host: one random buffer (bf16 /
     fp16 as random bits, above; other dtypes standard normal), each array read from it
     at its own offset (_OFFSET elements apart, not a multiple of any head dim, so no
-    row of one array is a row of another). Drawing on the GPU cost 0.65-2.0 s of XLA
-    compilation and first run at b4 s4096 h16 (H100, 2026-11-24, rbg and threefry,
-    `benchmarks/tune/choice_cost.py`), these 0.16-0.34 s; on the host most of the cost
-    is first touching new memory, so one buffer serves all arrays."""
+    row of one array is a row of another). Drawing them on the GPU costs seconds of XLA
+    compilation and first run, these a fraction of that (docs/decisions.md); on the
+    host most of the cost is first touching new memory, so one buffer serves all arrays."""
     sizes = [math.prod(shape) for shape in shapes]
     n = max(sizes) + _OFFSET * (len(shapes) - 1)
     rng = np.random.default_rng(0)

@@ -15,12 +15,9 @@ graphs of its own shard's config.
 
 score_mods: every JAX score_mod / mask_mod, the built-in ALiBi and softcap of
 `fusedattn.score_mods` included, is lowered to pointwise graph operations by
-`flex` (with the config's masks composed in), or refused with the reason. On
-H100 with cuDNN 9.19 the lowered ALiBi ran faster than cuDNN's ALiBi mask (causal 440
-/ 445 against 416 / 422 TFLOP/s forward / training), the lowered softcap as fast as
-the frontend's softcap functor (440 / 439 against 432 / 422, within the 2% that two
-runs of one program differ by: benchmarks/results/SUMMARY.md), and both take masks
-and windows the dedicated forms refused. ALiBi keeps cuDNN's own form where a program
+`flex` (with the config's masks composed in), or refused with the reason. The
+lowered ALiBi and softcap were measured at least as fast as cuDNN's dedicated forms
+(docs/decisions.md) and take masks and windows those refused. ALiBi keeps cuDNN's own form where a program
 cannot run and that form can (padding lengths, packed sequences, bias:
 `flex.uses_cudnn_alibi`).
 

@@ -16,12 +16,10 @@ the slices. The chunks compute (n + 1) / (2n) of the tiles (5/8 at n = 4), at th
 price of n smaller calls and the copies of their key / value prefixes.
 
 Which calls are chunked: none by default. A lowered causal program has the
-frontend's own mask form (`flex_lowering`: the select after the score_mod, its
+frontend's own mask form (`lowering.lower`: the select after the score_mod, its
 indices generated from the value it masks), and cuDNN 9.19 then skips the hidden
-tiles of one call itself. On H100 (b4 s4096 h16 d128, benchmarks/tune/
-flex_mask_speed.py, 2026-11-24) a causal relative-position score_mod ran 458 / 443
-TFLOP/s (forward / training) in one call and 303 / 299 in 4 chunks; a softcap 394 /
-371 against 275 / 262. FUSEDATTN_FLEX_CAUSAL_CHUNKS=n still splits a call into n
+tiles of one call itself, and one call ran faster than chunks (docs/decisions.md,
+benchmarks/tune/flex_mask_speed.py). FUSEDATTN_FLEX_CAUSAL_CHUNKS=n still splits a call into n
 chunks (for a cuDNN that computes every tile of such a program).
 """
 from __future__ import annotations

@@ -26,13 +26,9 @@ from ...inputs import AttnInputs
 
 _SLOT = 4  # floats per scalar row (kFp8SlotFloats)
 
-# cuDNN 9.19's FP8 backward on Hopper skips the tiles a causal mask hides only in calls
-# of few (batch, head) pairs. Its main kernel on H100, d128, causal / non-causal
-# (benchmarks/tune/fp8_kernels.py, 2026-11-24): 16 pairs (b1 s4096 h16) 257 / 495 us,
-# 32 pairs (b2 s8192 h16) 2155 / 3820 us, 64 pairs (b4 s4096 h16) 2039 / 1944 us,
-# 128 pairs (b8 s2048 h16) 1310 / 988 us; the BF16 kernel's causal run takes 0.51-0.67x
-# of its non-causal one at every size. So a causal FP8 backward runs in calls of at most
-# this many pairs (0: one call).
+# cuDNN's FP8 backward on Hopper skips the tiles a causal mask hides only in calls of
+# few (batch, head) pairs (measured: docs/decisions.md, benchmarks/tune/fp8_kernels.py).
+# So a causal FP8 backward runs in calls of at most this many pairs (0: one call).
 ENV_CAUSAL_PAIRS = "FUSEDATTN_FP8_CAUSAL_BWD_PAIRS"
 CAUSAL_BACKWARD_PAIRS = 32
 _FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}

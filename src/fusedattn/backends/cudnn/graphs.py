@@ -11,10 +11,9 @@ Plan autotuning (`set_autotune`, `FUSEDATTN_AUTOTUNE`): a graph built from scrat
 times every execution plan cuDNN offers for it and runs the fastest
 (csrc/cuda/cudnn_autotune.h) instead of the one cuDNN's heuristics rank first. Its
 plans are stored apart from the heuristics' ones, so switching it on tunes configs
-the cache already knows. Off by default: on H100 with cuDNN 9.19 the heuristics'
-plan was the fastest, or within 0.3% of it, for all 30 graphs of
-benchmarks/bench_autotune.py's shapes (end to end 0.99-1.02x), while tuning made a
-first build 0.4-2.2 s instead of about 0.2 s (benchmarks/results/SUMMARY.md).
+the cache already knows. Off by default: the heuristics' plan was measured as fast
+as the tuned one while tuning makes a first build several times slower
+(docs/decisions.md, benchmarks/bench_autotune.py).
 """
 from __future__ import annotations
 

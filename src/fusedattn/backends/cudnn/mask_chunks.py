@@ -15,8 +15,8 @@ of the tiles is not worth its calls (`MAX_TILE_FRACTION`). The chunks keep the m
 (shifted to their positions), so pairs inside a chunk's range stay exact; a chunk
 that sees every pair of its rectangle runs without it, and equal diagonal blocks
 (documents of one length, no score_mod) run as one call with the documents as its
-batch: no mask program and no call per document (on H100 a call per 1024-row
-document ran its tiles at half the rate of one 4096-row call).
+batch: no mask program and no call per document (small calls run their tiles at a
+lower rate: docs/decisions.md).
 """
 from __future__ import annotations
 
