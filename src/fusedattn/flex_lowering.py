@@ -37,6 +37,7 @@ two equal lambdas share a graph; different ones never collide.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -47,7 +48,8 @@ from jax.extend.core import Literal
 
 from . import flex_derivative, flex_hoist
 from .config import AttnConfig
-from .flex_program import Unsupported, _flatten, _is_int, _live, _Program, parse_lines
+from .flex_program import (Unsupported, _flatten, _is_int, _live, _Program, expand,
+                           parse_lines, reads_score)
 from .score_mods import Masked
 
 __all__ = ["Lowered", "Unsupported", "lower", "masked_score_mod"]
@@ -151,7 +153,8 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         out = closed.jaxpr.outvars[0]
         out = out if isinstance(out, Literal) else rename.get(out, out)
         is_bprop = closed is bwd
-        p = _Program(first, consts, forward_texts if is_bprop else None, masks)
+        p = _Program(first, consts, forward_texts if is_bprop else None, masks,
+                     tuple(pf.lines) if is_bprop else ())
         invars = closed.jaxpr.invars
         result = p.lower(_live(eqns, [out]), out, dict(zip((invars[0], invars[3], invars[4]),
                                                            ("s", "q", "k"))))
@@ -161,9 +164,12 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         return p
 
     pf = lower_one(fwd, 0)
-    forward_texts = {re.sub(r"\bv(\d+)", r"w\1", line): f"w{i}" for i, line in enumerate(pf.lines)}
-    masks = frozenset(f"w{m.group(1)}" for m in (
-        re.fullmatch(r"sel:v(\d+),[^,]+,c-inf", line) for line in pf.lines) if m)
+    # The bprop reads the forward's score chain (float values), nothing else of it.
+    on_chain = reads_score(pf.lines)
+    forward_texts = {re.sub(r"\bv(\d+)", r"w\1", line): f"w{i}"
+                     for i, line in enumerate(pf.lines) if on_chain[i]}
+    masks = frozenset(expand(pf.lines, m.group(1)) for m in (
+        re.fullmatch(r"sel:(v\d+),[^,]+,c-inf", line) for line in pf.lines) if m)
     pb = lower_one(bwd, len(pf.inputs), masks)
     if pb.dropped_mask and not _constant_times_gradient(pb.lines):
         # Past the dropped select the derivative reads the score or positions, which
@@ -302,16 +308,36 @@ def _needed(parsed, result: str) -> set:
     return needed
 
 
+# How a bprop reads the score (temporary switch, until a GPU run settles it; issue 28).
+# "chain": an ``id`` of the score that the forward itself computes from, the form of
+# the frontend's own soft-capping (its bprop reads a value on the forward's chain);
+# "raw": the score itself (XLA's cuDNN score_mod passes it to its bprop);
+# "dangling": the old form, an ``id`` no forward instruction reads: with it cuDNN 9.19
+# computed dV wrong (``sin(cos(s)) + 0.5 * cos(s)``: 394x; ``s * sigmoid(s)`` with
+# SIGMOID_BWD: 50-170x), dQ and dK right.
+ENV_SCORE_READ = "FUSEDATTN_FLEX_SCORE_READ"
+SCORE_READS = ("chain", "raw", "dangling")
+
+
+def score_read() -> str:
+    mode = os.environ.get(ENV_SCORE_READ, "chain").strip().lower() or "chain"
+    if mode not in SCORE_READS:
+        raise ValueError(f"{ENV_SCORE_READ} must be one of {SCORE_READS}, got {mode!r}")
+    return mode
+
+
 def _read_score_through_forward(forward: _Program, bprop: _Program) -> None:
-    """A bprop that reads the score itself reads it through an `id` the forward makes
-    first (cuDNN's engines refuse a bprop that reads the raw score)."""
-    if "s" not in flex_hoist.tokens(bprop.lines):
+    """A bprop that reads the score itself reads it as `score_read` says: through an
+    `id` the forward makes first and (``chain``) reads the score through."""
+    mode = score_read()
+    if mode == "raw" or "s" not in flex_hoist.tokens(bprop.lines):
         return
 
     def shift(token, prefix):
         return f"{prefix}{int(token[1:]) + 1}" if re.fullmatch(prefix + r"\d+", token) else token
+    own = "v0" if mode == "chain" else "s"
     forward.lines = ["id:s"] + [
-        f"{op}:{','.join(shift(a, 'v') for a in args.split(','))}"
+        f"{op}:{','.join(own if a == 's' else shift(a, 'v') for a in args.split(','))}"
         for op, args in (line.split(":") for line in forward.lines)]
     bprop.lines = [
         f"{op}:{','.join('w0' if a == 's' else shift(a, 'w') for a in args.split(','))}"
