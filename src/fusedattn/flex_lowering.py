@@ -385,7 +385,10 @@ def _evaluate_static(p: _Program, closed, batch, head, rest):
     def read(atom):
         if isinstance(atom, Literal):
             return atom.val
-        return p.const[atom] if atom in p.const else env[atom]
+        if atom in p.const:  # a folded scalar: back to the var's shape and dtype (an
+            # int32 `h % 4` takes no float 4.0; a select, no scalar case)
+            return jnp.full(atom.aval.shape, p.const[atom], atom.aval.dtype)
+        return env[atom]
     for eqn in p.static_eqns:  # (a broadcast to full size that no input reads: XLA drops it)
         outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **eqn.params)
         env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
