@@ -221,22 +221,25 @@ def draw(count: int, seed: int = 0, refuse_every: int = 25) -> List[Program]:
 
 
 # ---- the CPU check: the lowering's programs (NumPy interpreter) against JAX ---------------
-_LENGTHS = (np.array([S, 7], np.int32), np.array([9, S], np.int32))
+def call_options(program: Program, s: int = S):
+    """fused_attn's keyword arguments of the program's call (its variant)."""
+    from fusedattn import SequenceDescriptor  # noqa: PLC0415  (tests only)
+    score, mask = program.functions()
+    lengths = (jnp.asarray([s, s * 7 // 12], jnp.int32), jnp.asarray([s * 3 // 4, s], jnp.int32))
+    change = {"causal": dict(mask="causal"), "window": dict(window=(s // 4, s // 12)),
+              "padding": dict(sequence=SequenceDescriptor.from_lengths(*lengths))
+              }.get(program.variant, {})
+    return dict(score_mod=score, mask_mod=mask, **change), \
+        (lengths if program.variant == "padding" else ())
 
 
 def build(program: Program, args):
     """(config, lengths) of the program's call: bf16 [B, S, H, D], its variant."""
-    from fusedattn import SequenceDescriptor  # noqa: PLC0415  (tests only)
     from fusedattn.validation import build_call  # noqa: PLC0415
-    score, mask = program.functions()
     q = jax.ShapeDtypeStruct((B, S, H, D), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((B, S, H_KV if program.variant == "gqa" else H, D), jnp.bfloat16)
-    change = {"causal": dict(mask="causal"), "window": dict(window=(3, 1)),
-              "padding": dict(sequence=SequenceDescriptor.from_lengths(
-                  jnp.asarray(_LENGTHS[0]), jnp.asarray(_LENGTHS[1])))}.get(program.variant, {})
-    config, _ = build_call(q, kv, kv, score_mod=score, mask_mod=mask, score_mod_args=args,
-                           **change)
-    lengths = tuple(jnp.asarray(x) for x in _LENGTHS) if program.variant == "padding" else ()
+    options, lengths = call_options(program)
+    config, _ = build_call(q, kv, kv, score_mod_args=args, **options)
     return config, lengths
 
 
