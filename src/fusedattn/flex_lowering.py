@@ -17,7 +17,8 @@ depends on:
 The backward program (score_mod_bprop) is JAX's derivative of the score_mod with
 respect to the score, lowered the same way and multiplied by the incoming gradient
 ``g``; the masks stay out of it (cuDNN's dS is already 0 wherever P is). It reads
-the forward's values (``wN``) rather than recomputing them. A primitive cuDNN cannot
+the forward's score-chain values (``wN``) rather than recomputing them, and
+recomputes what depends on positions alone (`score_read` says how it reads the score). A primitive cuDNN cannot
 express on dynamic values (a gather, a reduction, integer bit operations) raises
 `Unsupported` naming it; `flex_interpreter` runs programs with NumPy for tests.
 
