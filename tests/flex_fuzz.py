@@ -166,7 +166,7 @@ class Grammar:
             9: f"jnp.power(jnp.abs({a}) + 0.5, {r.choice((0.5, 1.5, 2.0, -1.0, 3.0))})",
             10: f"({a}) ** 2",
             11: f"jax.scipy.special.erf({a})",
-            12: f"jnp.clip({a}, -2.0, {self.const(True)} + 3.0)",
+            12: f"jnp.clip({a}, -2.0, {float(np.float32(float(self.const(True)) + 3.0))!r})",
             13: f"(-{a})",
         }
         if form in unary:
@@ -180,7 +180,7 @@ class Grammar:
             18: f"jnp.minimum({a}, {b_})",
             19: f"jnp.maximum({a}, {b_})",
             20: f"jnp.where({self.pred(1, score=True)}, {a}, {b_})",
-            21: f"({a} / {r.choice(('3.0', '-0.5', '7.0', '1e-3'))})",
+            21: f"({a} / {r.choice((3.0, -0.5, 7.0, float(np.float32(1e-3))))!r})",
         }
         return binary[form]
 
@@ -252,9 +252,10 @@ def _close(got, want, want32, where) -> Optional[str]:
     got, want, want32 = (np.broadcast_to(np.asarray(x, np.float64), where.shape)
                          for x in (got, want, want32))
     judged = where & (np.isfinite(want) == np.isfinite(want32))
-    same = (np.isnan(got) == np.isnan(want)) & ((got == want) | ~np.isinf(want))
-    tol = 1e-5 * (1.0 + np.abs(want)) + 4.0 * np.abs(np.nan_to_num(want32 - want))
-    diff = np.abs(np.nan_to_num(got - want, nan=0.0, posinf=np.inf, neginf=np.inf))
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf where both are masked
+        same = (np.isnan(got) == np.isnan(want)) & ((got == want) | ~np.isinf(want))
+        tol = 1e-5 * (1.0 + np.abs(want)) + 4.0 * np.abs(np.nan_to_num(want32 - want))
+        diff = np.abs(np.nan_to_num(got - want, nan=0.0, posinf=np.inf, neginf=np.inf))
     both = np.isfinite(want) & np.isfinite(got)
     bad = judged & (~same | (both & (diff > tol)) | (np.isfinite(want) != np.isfinite(got)))
     if not bad.any():
