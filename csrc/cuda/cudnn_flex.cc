@@ -167,10 +167,12 @@ TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Grap
   // a forward program it is generated from the latest float value, as the frontend's
   // diagonal band mask generates its indices from the score it masks: cuDNN 9.19
   // skips the tiles a causal select hides only in that form (docs/decisions.md;
-  // benchmarks/tune/flex_mask_speed.py measures it). A bprop has no masks.
+  // benchmarks/tune/flex_mask_speed.py measures it). A bprop has no masks; its indices
+  // are generated from the gradient it receives, as the frontend's own bprop sample
+  // does (test_flexible_sdpa_bprop.py), never from the recomputed score.
   TensorPtr latest = score;
   auto index = [&](int axis) {
-    TensorPtr idx = g->pointwise(grad ? score : latest, fe::graph::Pointwise_attributes()
+    TensorPtr idx = g->pointwise(grad ? grad : latest, fe::graph::Pointwise_attributes()
                                             .set_mode(PointwiseMode_t::GEN_INDEX).set_axis(axis)
                                             .set_compute_data_type(fe::DataType_t::INT32));
     idx->set_data_type(fe::DataType_t::INT32);

@@ -50,7 +50,7 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
       dropout, rng: dropout rate on the probabilities and its PRNG key.
       score_mod, score_mod_args: ``f(score, batch, head, q_idx, kv_idx, *args)``
         applied to the scaled (and biased) logits. On cuDNN any such JAX function is
-        lowered to the graph's pointwise operations (`fusedattn.flex_lowering`;
+        lowered to the graph's pointwise operations (`lowering.lower`;
         ``explain`` says why when it cannot be).
       mask_mod: ``f(batch, head, q_idx, kv_idx, *score_mod_args) -> bool``: pairs it
         rejects are masked (on top of ``mask``, ``window`` and the sequence).

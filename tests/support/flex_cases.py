@@ -83,7 +83,7 @@ LOWERED = sorted(n for n, m in MODS.items() if m[3] is None)
 
 def program_scores(low, score, q_idx, kv_idx, inputs, args):
     """What a lowered forward program computes, plus the query-only terms it leaves out
-    (fusedattn.flex_hoist; the LSE gets them back): the score_mod's own values, float64."""
+    (lowering.hoist; the LSE gets them back): the score_mod's own values, float64."""
     got = flex_interpreter.interpret(low.forward, score, q_idx, kv_idx,
                                      [np.asarray(x) for x in inputs])
     shift = low.row_shift(args, ())

@@ -1,8 +1,8 @@
 """A score_mod's derivative in the forms cuDNN's backward engines take.
 
 JAX differentiates ``tanh(x)`` into ``ct * (1 - tanh(x)**2)``: a bprop that
-applies tanh (or multiplies forward values into that chain) which cuDNN 9.19's
-engines refuse on H100, while they take the frontend's own soft-capping, whose
+applies tanh (or multiplies forward values into that chain) which cuDNN's
+engines refuse, while they take the frontend's own soft-capping, whose
 bprop is one ``TANH_BWD(dy, x)`` on the forward's value ``x``
 (benchmarks/tune/flex_ops.py, the ``softcap-`` probes). So the derivative is
 traced with tanh re-bound to a `jax.custom_vjp` function whose backward calls a
@@ -44,8 +44,8 @@ def _with_bwd(forward: Callable, bwd_fn: Callable) -> Callable:
 _tanh = _with_bwd(lax.tanh, _TANH_BWD)
 # The sigmoid as 0.5 + 0.5 * tanh(x / 2) (equal in fp32), so its derivative is TANH_BWD
 # too: cuDNN's engines take ``s * sigmoid(s)`` with SIGMOID_BWD in its bprop and then
-# compute dV wrong (H100, cuDNN 9.19: 50-170x relative error, dQ / dK right;
-# tests/gpu/test_flex_gpu.py, 2026-11-24). The forward program is traced from the same
+# compute dV wrong, dQ / dK right (docs/decisions.md; tests/gpu/test_flex_gpu.py).
+# The forward program is traced from the same
 # rewritten function, so the bprop reads the forward's x / 2 (`REWRITES_FORWARD`).
 _REPLACED = {"tanh": _tanh, "logistic": lambda x: 0.5 + 0.5 * _tanh(0.5 * x)}
 REWRITES_FORWARD = ("logistic",)

@@ -3,10 +3,8 @@
 Softmax is shift-invariant along a row: ``softmax(x + r(q))`` equals ``softmax(x)``
 for any finite r that does not depend on the key. A score_mod such as the relative
 position ``s + c * (q - k)`` or ALiBi ``s + slope[h] * (k - q)`` adds such a term
-(``c * q``, ``-slope[h] * q``), and every pointwise instruction costs the kernel: on
-H100 (cuDNN 9.19, b4 s4096 h16 d128, benchmarks/tune/score_mod_cost.py) the forward
-ran at 0.80-0.81x the plain call with ``s + 0.01 * (q - k)`` and 0.87-0.89x with
-``s + 0.01 * k``. So the forward program computes the score without the row terms,
+(``c * q``, ``-slope[h] * q``), and every pointwise instruction costs the kernel
+(docs/decisions.md). So the forward program computes the score without the row terms,
 the output and every gradient are unchanged (the backward recomputes the same
 program from the same LSE), and only the LSE differs by r. The cudnn kernels add r
 to the LSE they return and take it off again before the backward (`cudnn.forward`,

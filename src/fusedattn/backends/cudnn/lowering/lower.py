@@ -12,22 +12,22 @@ depends on:
   evaluated by XLA at call time into small float tensors (``[b|1, h|1, 1, 1]``
   for per-head slopes and the like) that the graph takes as inputs (`inputs`);
 * *dynamic* values (anything that depends on the score or an index) become
-  instructions of the program (csrc/cuda/flex.h has the grammar).
+  instructions of the program (csrc/cuda/cudnn_flex.h has the grammar).
 
 The backward program (score_mod_bprop) is JAX's derivative of the score_mod with
 respect to the score, lowered the same way and multiplied by the incoming gradient
 ``g``; the masks stay out of it (cuDNN's dS is already 0 wherever P is). It reads
-the forward's values (``wN``) rather than recomputing them. A primitive cuDNN cannot
+the forward's score-chain values (``wN``) rather than recomputing them, and
+recomputes what depends on positions alone (`score_read` says how it reads the score). A primitive cuDNN cannot
 express on dynamic values (a gather, a reduction, integer bit operations) raises
-`Unsupported` naming it; `flex_interpreter` runs programs with NumPy for tests.
+`Unsupported` naming it; `tests/support/flex_interpreter.py` runs programs with NumPy for tests.
 
 What compiles is not always what cuDNN's engines take: a graph they refuse is
 refused at the support probe with cuDNN's message, and the call falls back.
 
 Index arithmetic stays in int32 (ops named ``add.i`` and the like; integer static
 inputs are int32 tensors), and the masks are written in the forms of cuDNN's own
-(row >= column + offset; column + left + 1 > row): on H100 with cuDNN 9.19 its
-engines take offsets and two masks in that form and refuse them computed in fp32
+(row >= column + offset; column + left + 1 > row): cuDNN's engines take offsets and two masks in that form and refuse them computed in fp32
 (benchmarks/tune/flex_ops.py, the ``-int`` probes).
 
 The program text is canonical (it is made from the jaxpr, not from the
@@ -37,6 +37,7 @@ two equal lambdas share a graph; different ones never collide.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -45,10 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from . import derivative as flex_derivative, hoist as flex_hoist
 from ....config import AttnConfig
-from .program import Unsupported, flatten, is_int, live, Program, parse_lines
 from ....score_mods import Masked
+from . import derivative as flex_derivative
+from . import hoist as flex_hoist
+from .program import (Program, Unsupported, expand, flatten, is_int, live, parse_lines,
+                      reads_score)
 
 __all__ = ["Lowered", "Unsupported", "lower", "masked_score_mod"]
 
@@ -151,7 +154,8 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         out = closed.jaxpr.outvars[0]
         out = out if isinstance(out, Literal) else rename.get(out, out)
         is_bprop = closed is bwd
-        p = Program(first, consts, forward_texts if is_bprop else None, masks)
+        p = Program(first, consts, forward_texts if is_bprop else None, masks,
+                     tuple(pf.lines) if is_bprop else ())
         invars = closed.jaxpr.invars
         result = p.lower(live(eqns, [out]), out, dict(zip((invars[0], invars[3], invars[4]),
                                                            ("s", "q", "k"))))
@@ -161,9 +165,12 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         return p
 
     pf = lower_one(fwd, 0)
-    forward_texts = {re.sub(r"\bv(\d+)", r"w\1", line): f"w{i}" for i, line in enumerate(pf.lines)}
-    masks = frozenset(f"w{m.group(1)}" for m in (
-        re.fullmatch(r"sel:v(\d+),[^,]+,c-inf", line) for line in pf.lines) if m)
+    # The bprop reads the forward's score chain (float values), nothing else of it.
+    on_chain = reads_score(pf.lines)
+    forward_texts = {re.sub(r"\bv(\d+)", r"w\1", line): f"w{i}"
+                     for i, line in enumerate(pf.lines) if on_chain[i]}
+    masks = frozenset(expand(pf.lines, m.group(1)) for m in (
+        re.fullmatch(r"sel:(v\d+),[^,]+,c-inf", line) for line in pf.lines) if m)
     pb = lower_one(bwd, len(pf.inputs), masks)
     if pb.dropped_mask and not _constant_times_gradient(pb.lines):
         # Past the dropped select the derivative reads the score or positions, which
@@ -302,16 +309,36 @@ def _needed(parsed, result: str) -> set:
     return needed
 
 
+# How a bprop reads the score (temporary switch, until a GPU run settles it; issue 28).
+# "chain": an ``id`` of the score that the forward itself computes from, the form of
+# the frontend's own soft-capping (its bprop reads a value on the forward's chain);
+# "raw": the score itself (XLA's cuDNN score_mod passes it to its bprop);
+# "dangling": the old form, an ``id`` no forward instruction reads: with it cuDNN 9.19
+# computed dV wrong (``sin(cos(s)) + 0.5 * cos(s)``: 394x; ``s * sigmoid(s)`` with
+# SIGMOID_BWD: 50-170x), dQ and dK right.
+ENV_SCORE_READ = "FUSEDATTN_FLEX_SCORE_READ"
+SCORE_READS = ("chain", "raw", "dangling")
+
+
+def score_read() -> str:
+    mode = os.environ.get(ENV_SCORE_READ, "chain").strip().lower() or "chain"
+    if mode not in SCORE_READS:
+        raise ValueError(f"{ENV_SCORE_READ} must be one of {SCORE_READS}, got {mode!r}")
+    return mode
+
+
 def _read_score_through_forward(forward: Program, bprop: Program) -> None:
-    """A bprop that reads the score itself reads it through an `id` the forward makes
-    first (cuDNN's engines refuse a bprop that reads the raw score)."""
-    if "s" not in flex_hoist.tokens(bprop.lines):
+    """A bprop that reads the score itself reads it as `score_read` says: through an
+    `id` the forward makes first and (``chain``) reads the score through."""
+    mode = score_read()
+    if mode == "raw" or "s" not in flex_hoist.tokens(bprop.lines):
         return
 
     def shift(token, prefix):
         return f"{prefix}{int(token[1:]) + 1}" if re.fullmatch(prefix + r"\d+", token) else token
+    own = "v0" if mode == "chain" else "s"
     forward.lines = ["id:s"] + [
-        f"{op}:{','.join(shift(a, 'v') for a in args.split(','))}"
+        f"{op}:{','.join(own if a == 's' else shift(a, 'v') for a in args.split(','))}"
         for op, args in (line.split(":") for line in forward.lines)]
     bprop.lines = [
         f"{op}:{','.join('w0' if a == 's' else shift(a, 'w') for a in args.split(','))}"
@@ -359,7 +386,10 @@ def _evaluate_static(p: Program, closed, batch, head, rest):
     def read(atom):
         if isinstance(atom, Literal):
             return atom.val
-        return p.const[atom] if atom in p.const else env[atom]
+        if atom in p.const:  # a folded scalar: back to the var's shape and dtype (an
+            # int32 `h % 4` takes no float 4.0; a select, no scalar case)
+            return jnp.full(atom.aval.shape, p.const[atom], atom.aval.dtype)
+        return env[atom]
     for eqn in p.static_eqns:  # (a broadcast to full size that no input reads: XLA drops it)
         outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **eqn.params)
         env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))

@@ -1,7 +1,7 @@
 """One jaxpr's lowering into a program of cuDNN pointwise instructions (`Program`):
 which equations are dynamic (instructions) and which static (XLA evaluates them),
 the forms cuDNN's engines take (int32 index arithmetic, masks as selects), and the
-jaxpr plumbing it needs (inlined calls, live equations). `fusedattn.flex_lowering`
+jaxpr plumbing it needs (inlined calls, live equations). `lowering.lower`
 puts a call's two programs together; csrc/cuda/flex.h has the grammar."""
 from __future__ import annotations
 
@@ -117,12 +117,16 @@ class Program:
     they read to inputs (evaluated by XLA), scalar constants folded into the text."""
 
     def __init__(self, first_input: int, consts: Dict[object, np.ndarray],
-                 forward: Optional[Dict[str, str]] = None, masks: frozenset = frozenset()):
+                 forward: Optional[Dict[str, str]] = None, masks: frozenset = frozenset(),
+                 forward_lines: Tuple[str, ...] = ()):
         self.lines: List[str] = []
-        # bprop only: forward instruction text -> "wN", to read its values, not recompute
+        # bprop only: forward instruction text -> "wN" of the values on the forward's
+        # score chain, read rather than recomputed (what depends on positions alone is
+        # recomputed from the bprop's own indices, as the frontend's bprop sample does)
         self.forward = forward or {}
-        # bprop only: the forward's predicates that select -inf ("wN")
+        # bprop only: the forward's predicates that select -inf, as `expand` writes them
         self.masks = masks
+        self.forward_lines = list(forward_lines)
         self.dropped_mask = False  # a select on one of them was left out
         self.bool_expr: Dict[object, Tuple[str, tuple]] = {}  # and / or / not / compare
         self.inputs: List[object] = []  # vars XLA evaluates and the graph takes
@@ -308,7 +312,8 @@ class Program:
                 raise Unsupported("score_mod selects among more than two cases (select_n with "
                                   "an integer index); cuDNN selects with a predicate")
             cond, if_false, if_true = a(0), a(1), a(2)
-            if cond in self.masks and if_false == "c0.0" and _finite_constant(if_true):
+            if self.masks and if_false == "c0.0" and _finite_constant(if_true) \
+                    and expand(self.lines, cond, self.forward_lines) in self.masks:
                 # The derivative of a mask written into the score_mod: where the forward
                 # selected -inf, cuDNN's dS is 0 already, so the constant alone is exact
                 # (cuDNN's engines refuse a select between constants).
@@ -352,7 +357,7 @@ class Program:
 
     def _masked(self, keep, x: str) -> str:
         """x where `keep`, -inf elsewhere, as selects on x: a conjunction nests them, a
-        disjunction takes their max. cuDNN's engines (H100, cuDNN 9.19) take nested
+        disjunction takes their max. cuDNN's engines take nested
         selects on comparisons of index tensors, and refuse logical operations on
         predicates and comparisons with constants (benchmarks/tune/flex_ops.py)."""
         op, args = self.bool_expr.get(keep, (None, ()))
@@ -396,6 +401,28 @@ class Program:
         if src_float and jnp.issubdtype(new_dtype, jnp.integer):
             return self._trunc(x)
         return x  # numeric -> float (cuDNN computes in fp32), int -> int
+
+
+def expand(lines: List[str], token: str, forward: List[str] = ()) -> str:
+    """The expression `token` computes with every instruction inlined (wN from the
+    `forward` lines): equal for equal values however a program numbers them."""
+    parsed, outer = parse_lines(lines), parse_lines(list(forward))
+
+    def go(t: str) -> str:
+        if t[0] in "vw" and t[1:].isdigit():
+            op, args = (parsed if t[0] == "v" else outer)[int(t[1:])]
+            return f"{op}({','.join(go(a.replace('v', 'w') if t[0] == 'w' else a) for a in args)})"
+        return t
+    return go(token)
+
+
+def reads_score(lines: List[str]) -> List[bool]:
+    """Which instructions of a program depend on the score."""
+    reads: List[bool] = []
+    for _, args in parse_lines(lines):
+        reads.append(any(a == "s" or (a[0] == "v" and a[1:].isdigit() and reads[int(a[1:])])
+                         for a in args))
+    return reads
 
 
 def _finite_constant(operand: str) -> bool:
