@@ -1,15 +1,15 @@
-"""Lowered score_mods / mask_mods on cuDNN (tests/flex_cases.py): forward, LSE and every
+"""Lowered score_mods / mask_mods on cuDNN (tests/support/flex_cases.py): forward, LSE and every
 gradient (score_mod_args included) against the float64 oracle, each mod alone and
 with a causal mask (top-left and bottom-right), a sliding window, padding and GQA;
-padded rows exactly 0. Where cuDNN's own engines
-have no plan for a lowered graph (its message, in explain()), the call runs on XLA
-and the case is skipped, saying so.
-Tolerance: the project's bf16 one (tests/attn_cases.py, 4e-2 relative L2)."""
+padded rows exactly 0. A case cuDNN is known to refuse
+(`EXPECTED_REFUSALS`, with the reason explain() must give) is skipped, saying so;
+any other refusal fails.
+Tolerance: the project's bf16 one (tests/support/attn_cases.py, 4e-2 relative L2)."""
 from __future__ import annotations
 
 import dataclasses
 import os
-import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,17 +97,33 @@ def test_mask_mods_in_block_chunks_match_the_oracle(name, monkeypatch):
         assert "mask_mod in 4 query chunks of 64 rows" in str(plan), str(plan)
 
 
+# The refusals these cases are known to get, each with the words its reason must hold.
+# Any other refusal fails: a lowering regression shows up as a failure, not as a skip.
+PER_BATCH = ("vary over the batch",)  # our refusal: see the per-batch test below
+NO_ENGINE = "cuDNN: the score_mod lowered to pointwise operations has no engine"
+EXPECTED_REFUSALS = {
+    "per_batch_scale": PER_BATCH,          # a per-batch score_mod_arg
+    "clip": (NO_ENGINE, "backward"),       # cuDNN's engines refuse clipping's bprop
+    "strided": (NO_ENGINE, "forward"),     # ... and the strided mask's forward
+}
+
+
+def _expected_refusal(name, variant):
+    # Padding lengths composed into the program are per-batch values.
+    return PER_BATCH if variant == "padding" else EXPECTED_REFUSALS.get(name)
+
+
 def _check_against_the_oracle(name, variant, change, case=None, expect_bug=False):
     case = case or _case(name, **change)
     built = ac.build(case)
     uq, uk, uv = built.q, built.k, built.v
     plan = fusedattn.explain(uq, uk, uv, **built.options())
-    if plan.chosen != "cudnn":  # lowered, but cuDNN's engines have no plan for the graph
+    if plan.chosen != "cudnn":
         reason = dict(plan.reasons)["cudnn"]
-        if "vary over the batch" in reason:  # our refusal: see the test below
-            pytest.skip(f"{name} {variant}: {reason[:120]}")
-        assert reason.startswith("cuDNN:"), reason  # cuDNN's own refusal, not ours
-        pytest.skip(f"{name} {variant}: cuDNN refuses the lowered graph: {reason[:200]}")
+        expected = _expected_refusal(name, variant)
+        assert expected is not None, f"{name} {variant}: unexpected refusal: {reason}"
+        assert all(words in reason for words in expected), (expected, reason)
+        pytest.skip(f"{name} {variant}: expected refusal: {reason[:200]}")
     ref = ac.oracle_for(built)
     out, dq, dk, dv, d_args = _run(built)
     tol = ac.TOLERANCE[case.dtype]
@@ -190,8 +206,6 @@ BPROP_READS = {
 @pytest.mark.parametrize("name", sorted(BPROP_READS))
 @pytest.mark.parametrize("mode", ["chain", "raw", "dangling"])
 def test_bprop_reads_match_the_oracle(mode, name, variant, monkeypatch):
-    from fusedattn import dispatch, flex_lowering
-    from fusedattn.backends import cudnn_flex
     monkeypatch.setenv(flex_lowering.ENV_SCORE_READ, mode)
     cudnn_flex.lowered.cache_clear()
     dispatch.clear_cache()
