@@ -10,6 +10,7 @@ imported, so its fallbacks still run Flax's own code.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import flax.linen as nn
 import flax.linen.attention as linen_attention
@@ -63,6 +64,28 @@ def install(new=fa.attention_fn) -> int:
 
 _REPLACED = install()
 assert _REPLACED >= 2, "found no attention_fn default to replace: Flax changed its layout"
+
+
+class _Reasons(logging.Handler):
+    """Collects the fallbacks fusedattn logged, to list them at the end."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.seen = []
+
+    def emit(self, record):
+        self.seen.append(record.getMessage())
+
+
+_REASONS = _Reasons()
+logging.getLogger("fusedattn").addHandler(_REASONS)
+
+
+def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"flax_dropin: {len(_REASONS.seen)} kinds of call ran Flax's own "
+                                f"function:")
+    for message in _REASONS.seen:
+        terminalreporter.write_line(f"  {message}")
 
 
 def pytest_report_header(config):
