@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple, Optional, Tuple
 
 import jax
@@ -253,6 +254,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, scales: Fp8Scales,
         if getattr(value, "shape", None) != ():
             raise ValueError(f"scales.{field} must be a scalar (shape ()), got "
                              f"{getattr(value, 'shape', type(value).__name__)}")
+        # A zero, negative or non-finite scale gives inf / NaN out of the kernels with no
+        # error; concrete scales are checked here (traced ones cannot be, under jit).
+        if not isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)) \
+                and not (math.isfinite(float(value)) and float(value) > 0.0):
+            raise ValueError(f"scales.{field} must be finite and > 0 (x_fp8 = x * scale), got "
+                             f"{float(value)}")
     fp8_out = jnp.dtype(out_dtype) == jnp.dtype(E4M3)
     if not fp8_out and jnp.dtype(out_dtype).name not in ("bfloat16", "float16"):
         raise TypeError(f"out_dtype must be float8_e4m3fn, bfloat16 or float16, got {out_dtype}")

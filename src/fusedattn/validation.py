@@ -139,6 +139,20 @@ def _check_packing_values(seq: SequenceDescriptor, side: str, s: int) -> None:
             raise ValueError(f"{side}_positions must count 0, 1, 2, ... inside each segment")
 
 
+def check_rng(rng) -> None:
+    """A PRNG key: typed (jax.random.key) or raw uint32[2] (jax.random.PRNGKey)."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if tuple(rng.shape) != ():
+            raise ValueError(f"rng must be a single PRNG key (shape ()), got shape {rng.shape}")
+        return
+    if dtype is None or jnp.dtype(dtype) != jnp.uint32 or tuple(rng.shape) != (2,):
+        got = (f"{jnp.dtype(dtype).name} array of shape {tuple(rng.shape)}" if dtype is not None
+               else f"{type(rng).__name__} {rng!r}")
+        raise TypeError(f"rng must be a JAX PRNG key (jax.random.key(seed) or "
+                        f"jax.random.PRNGKey(seed)), got {got}")
+
+
 def _check_window(window, mask: str) -> Optional[Tuple[int, int]]:
     if window is None:
         return None
@@ -308,6 +322,8 @@ def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, s
     dropout = float(dropout)
     if dropout > 0.0 and rng is None:
         raise ValueError("dropout > 0 needs rng, a JAX PRNG key (jax.random.key or PRNGKey)")
+    if dropout > 0.0:
+        check_rng(rng)
 
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be a function (score, batch, head, q_idx, kv_idx, *args) "
