@@ -33,3 +33,29 @@ def test_fp8_scales_must_be_finite_and_positive(bad):
     scales = fp8.Fp8Scales(*(jnp.float32(1.0) for _ in fp8.Fp8Scales._fields))
     with pytest.raises(ValueError, match="scales.k must be finite and > 0"):
         fp8.attention(q8, q8, q8, scales._replace(k=jnp.float32(bad)))
+
+
+def test_checked_mode_raises_on_bad_traced_values(monkeypatch):
+    """Under jit lengths, offsets and scales are traced: checked mode
+    (FUSEDATTN_CHECK_TRACED=1) runs the eager checks when the program runs."""
+    q = jnp.ones((1, 16, 2, 8))
+    seqlens, offsets = jnp.array([[8, 8]]), jnp.array([[0, 4]])  # overlapping segments
+
+    def packed(q, seqlens, offsets):
+        seq = SequenceDescriptor.from_seqlens_offsets(seqlens, offsets, q_len=16)
+        return fusedattn.fused_attn(q, q, q, sequence=seq)
+    with pytest.raises(ValueError, match="back to back"):
+        packed(q, seqlens, offsets)  # eager: checked now
+    jax.jit(packed)(q, seqlens, offsets)  # traced: not checked by default
+    monkeypatch.setenv("FUSEDATTN_CHECK_TRACED", "1")  # read when tracing: a new function
+    with pytest.raises(Exception, match="back to back"):
+        jax.block_until_ready(jax.jit(lambda *a: packed(*a))(q, seqlens, offsets))
+    lengths = jnp.array([20], jnp.int32)
+    with pytest.raises(Exception, match=r"q_lengths must lie in \[0, 16\]"):
+        jax.block_until_ready(jax.jit(lambda q, n: fusedattn.fused_attn(
+            q, q, q, sequence=SequenceDescriptor.from_lengths(n)))(q, lengths))
+    q8 = jnp.ones((1, 16, 2, 16), jnp.float8_e4m3fn)
+    scales = fp8.Fp8Scales(*(jnp.float32(1.0) for _ in fp8.Fp8Scales._fields))
+    with pytest.raises(Exception, match="scales.v must be finite and > 0"):
+        jax.block_until_ready(jax.jit(lambda s: fp8.attention(q8, q8, q8, s)[0])(
+            scales._replace(v=jnp.float32(0.0))))

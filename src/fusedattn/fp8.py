@@ -243,7 +243,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, scales: Fp8Scales,
     quantized here with ``scales.do`` into ``d_out_format``.
     """
     from . import dispatch  # noqa: PLC0415 - dispatch imports the backends
-    from .validation import build_call  # noqa: PLC0415
+    from .validation import build_call, check_now_or_when_run  # noqa: PLC0415
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.dtype(x.dtype) != jnp.dtype(E4M3):
             raise TypeError(f"{name} must be float8_e4m3fn (quantized with scales.{name}), "
@@ -255,11 +255,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, scales: Fp8Scales,
             raise ValueError(f"scales.{field} must be a scalar (shape ()), got "
                              f"{getattr(value, 'shape', type(value).__name__)}")
         # A zero, negative or non-finite scale gives inf / NaN out of the kernels with no
-        # error; concrete scales are checked here (traced ones cannot be, under jit).
-        if not isinstance(value, (jax.core.Tracer, jax.ShapeDtypeStruct)) \
-                and not (math.isfinite(float(value)) and float(value) > 0.0):
-            raise ValueError(f"scales.{field} must be finite and > 0 (x_fp8 = x * scale), got "
-                             f"{float(value)}")
+        # error: checked now when concrete, when the program runs in checked mode.
+        check_now_or_when_run(functools.partial(_check_scale, field), value)
     fp8_out = jnp.dtype(out_dtype) == jnp.dtype(E4M3)
     if not fp8_out and jnp.dtype(out_dtype).name not in ("bfloat16", "float16"):
         raise TypeError(f"out_dtype must be float8_e4m3fn, bfloat16 or float16, got {out_dtype}")
@@ -275,6 +272,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, scales: Fp8Scales,
     if backward_amax is None:
         backward_amax = BackwardAmax.zeros()
     return _explicit(config, plan.backend.name, q, k, v, sequence, scales, backward_amax)
+
+
+def _check_scale(field: str, value) -> None:
+    if not (math.isfinite(float(value)) and float(value) > 0.0):
+        raise ValueError(f"scales.{field} must be finite and > 0 (x_fp8 = x * scale), got "
+                         f"{float(value)}")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
