@@ -9,14 +9,15 @@
 #    the same file calling fusedattn directly.
 # Every failure is a bug or an entry in the README's list of intended differences.
 #   ci/conformance.sh          install fusedattn[test] first (as ci/cpu.sh does)
-#   FUSEDATTN_NO_INSTALL=1 ci/conformance.sh   use the current environment and src/
+#   FUSEDATTN_NO_INSTALL=1 ci/conformance.sh   use the current environment (src/ if
+#                              fusedattn is not installed there)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 if [[ -z ${FUSEDATTN_NO_INSTALL:-} ]]; then
   FUSEDATTN_GPU=none python3 -m pip install -q ".[test]"
-else
+elif ! python3 -c "import fusedattn" 2>/dev/null; then
   export PYTHONPATH=$root/src${PYTHONPATH:+:$PYTHONPATH}
 fi
 work=$(mktemp -d)

@@ -117,8 +117,12 @@ def fallback_reason(query, key, value, bias=None, mask=None, broadcast_dropout: 
     names = {jnp.dtype(dtype or jnp.result_type(query, key, value)).name}
     if linen_only:
         # force_fp32_for_softmax is what fused kernels do anyway; in float32 it changes nothing.
-        if linen_only != "force_fp32_for_softmax" or names != {"float32"}:
-            return f"{linen_only} is Flax's own"
+        if linen_only == "force_fp32_for_softmax":
+            if names != {"float32"}:
+                return ("force_fp32_for_softmax below float32: Flax keeps float32 weights "
+                        "and output")
+        else:
+            return f"{linen_only}: a custom product inside Flax's function, no fused kernel's"
     if not _default_precision(precision):
         return f"precision={precision!r}: fused kernels multiply at the default precision"
     if dropout_rate > 0.0 and not deterministic and broadcast_dropout:
