@@ -6,7 +6,7 @@ FLOPs halved), ratios to each anchor, the measured device ceilings, the first
 graph build (wall time of the probe, which builds its three graphs at once, and
 each graph's build time) and the cost of re-tracing a cached config.
 
-    python benchmarks/bench_attention.py [--quick]
+    python -m benchmarks.bench_attention [--quick]
 
 Writes benchmarks/results/attention_<device>.json and .png.
 """
@@ -15,20 +15,18 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import (RESULTS_DIR, device_meta, device_slug, measure_ceilings, print_table,  # noqa: E402
-                    row_grid, run_main, step, time_row, warm_into, write_results)
-
-import fusedattn  # noqa: E402
-from fusedattn import plan_cache  # noqa: E402
-from fusedattn.backends import cudnn  # noqa: E402
-from fusedattn.config import AttnConfig  # noqa: E402
+import fusedattn
+from benchmarks.common import (RESULTS_DIR, device_meta, device_slug, measure_ceilings,
+                               print_table, row_grid, run_main, step, time_row, warm_into,
+                               write_results)
+from fusedattn import plan_cache
+from fusedattn.backends import cudnn
+from fusedattn.config import AttnConfig
 
 # (name, batch, seq, h_q, h_kv, head dim)
 SHAPES = [
@@ -42,9 +40,8 @@ QUICK = SHAPES[:1]
 DTYPE = jnp.bfloat16
 # Rows set providers that run the very same program side by side (auto beside
 # flash-attn3 at d128, beside fusedattn-cudnn at d64 / d256). Timed with common.py's
-# default 7 rounds of 25 ms, such pairs came out up to 7% apart (H100, 2026-11-24
-# 17:55 UTC: d256 fwd+bwd, auto and cudnn both cuDNN, 391 vs 418 TFLOP/s), so rows are
-# timed longer.
+# default 7 rounds of 25 ms, such pairs came out several percent apart
+# (docs/decisions.md), so rows are timed longer.
 TIMING = dict(rounds=15, min_round_s=0.05)
 # jax.nn's XLA path materialises [b, h, s, s] logits; beyond this many it is skipped.
 XLA_MAX_LOGITS = 2**31

@@ -10,23 +10,18 @@ autotuned (every plan timed, the fastest kept). Reported:
 - forward and forward+backward through fused_attn(backend="cudnn"), the two configs
   timed round-robin in one process, and the ratio tuned / heuristics.
 
-    python benchmarks/bench_autotune.py [--quick]
+    python -m benchmarks.bench_autotune [--quick]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-
-import fusedattn  # noqa: E402
-from bench_attention import SHAPES, QUICK, _inputs  # noqa: E402
-from common import (device_meta, device_slug, print_table, run_main, step,  # noqa: E402
-                    time_interleaved, warmed, write_results)
-from fusedattn import dispatch, plan_cache  # noqa: E402
-from fusedattn.backends import cudnn  # noqa: E402
+import fusedattn
+from benchmarks.bench_attention import SHAPES, QUICK, _inputs
+from benchmarks.common import (device_meta, device_slug, print_table, run_main, step,
+                               time_interleaved, warmed, write_results)
+from fusedattn import dispatch, plan_cache
+from fusedattn.backends import cudnn
 
 
 def _probe(q, k, v, mask, scale, autotune):

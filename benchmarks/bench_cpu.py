@@ -9,7 +9,7 @@ the long-sequence case's peak memory.
   (benchmarks/long_sequence.py), reporting its peak RSS and the size the dense
   fp32 score matrix would have.
 
-    python benchmarks/bench_cpu.py            # writes benchmarks/results/cpu_xla.json
+    python -m benchmarks.bench_cpu            # writes benchmarks/results/cpu_xla.json
 """
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-sys.path.insert(0, os.path.dirname(__file__))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import fusedattn
+from benchmarks import common
 
-import common  # noqa: E402
-import fusedattn  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fns(causal: bool):
@@ -75,9 +74,9 @@ def speed_rows(batch=2, seq=1024, heads=8, dim=64, rounds=7, reps=3):
 
 
 def long_sequence_row(seq=16384, heads=8, dim=64) -> dict:
-    script = os.path.join(os.path.dirname(__file__), "long_sequence.py")
-    out = subprocess.run([sys.executable, script, "--seq", str(seq), "--heads", str(heads),
-                          "--dim", str(dim)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.long_sequence", "--seq", str(seq),
+                          "--heads", str(heads), "--dim", str(dim)],
+                         cwd=REPO, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

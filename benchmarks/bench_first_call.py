@@ -10,7 +10,7 @@ runs with an empty cache directory, "warm" with the one the cold run filled. The
 the probe either way; the "second config" column is a probe of another config
 after the first one, which no longer pays for it.
 
-    python benchmarks/bench_first_call.py
+    python -m benchmarks.bench_first_call
 
 Writes benchmarks/results/first_call_<device>.json.
 """
@@ -22,10 +22,9 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import device_meta, device_slug, print_table, run_main, write_results  # noqa: E402
+import jax
 
-import jax  # noqa: E402
+from benchmarks.common import device_meta, device_slug, print_table, run_main, write_results
 
 # (name, head dim, causal)
 CONFIGS = [("d64 causal", 64, True), ("d128", 128, False), ("d128 causal", 128, True),
@@ -57,7 +56,7 @@ t0 = time.perf_counter()
 jax.block_until_ready(step(q))
 call_s = time.perf_counter() - t0
 # backend="auto": where flash runs the config too, its first call times both backends
-# (fusedattn.backend_choice) unless the persistent cache holds the choice.
+# (fusedattn.dispatch.measure) unless the persistent cache holds the choice.
 auto = jax.jit(jax.grad(lambda q: jnp.sum(fusedattn.fused_attn(q, q, q, mask=mask) * 2)))
 t0 = time.perf_counter()
 jax.block_until_ready(auto(q))

@@ -6,7 +6,7 @@ JAX rows run round-robin in this process (benchmarks/common.py); PyTorch runs in
 child process (the two frameworks do not share GPU memory) timing its rows the
 same way, on the same shapes. b4 s4096 h16 d128 bf16.
 
-    python benchmarks/bench_flex.py
+    python -m benchmarks.bench_flex
 
 Writes benchmarks/results/flex_<device>.json.
 """
@@ -21,14 +21,13 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import _inputs  # noqa: E402
-from common import (device_meta, device_slug, print_table, run_main, step, time_row,  # noqa: E402
-                    warm_into, write_results)
-
-import fusedattn  # noqa: E402
-from fusedattn import causal_chunks, score_mods  # noqa: E402
-from fusedattn.config import AttnConfig  # noqa: E402
+import fusedattn
+from benchmarks.bench_attention import _inputs
+from benchmarks.common import (device_meta, device_slug, print_table, run_main, step, time_row,
+                               warm_into, write_results)
+from fusedattn import score_mods
+from fusedattn.backends.cudnn import causal_chunks
+from fusedattn.config import AttnConfig
 
 B, S, H, D = 4, 4096, 16, 128
 SLOPES = jnp.asarray(score_mods.alibi_slopes(H))
@@ -45,7 +44,7 @@ CASES = {
 
 # Query chunk counts tried for causal cases (FUSEDATTN_FLEX_CAUSAL_CHUNKS), beside the
 # default (one call, whose hidden tiles cuDNN skips); a mask_mod's case tries one call
-# (its default is the chunks of fusedattn.mask_chunks).
+# (its default is the chunks of fusedattn.backends.cudnn.mask_chunks).
 CHUNKS = (4,)
 
 
@@ -145,8 +144,8 @@ def main():
             "fusedattn-cudnn-plain": lambda q, k, v, mk=mask:
                 fusedattn.fused_attn(q, k, v, mask=mk, backend="cudnn"),
         }
-        # The causal score_mod in query chunks (fusedattn.causal_chunks), a mask_mod in
-        # the chunks its blocks give (fusedattn.mask_chunks, off with chunks1).
+        # The causal score_mod in query chunks (fusedattn.backends.cudnn.causal_chunks), a mask_mod in
+        # the chunks its blocks give (fusedattn.backends.cudnn.mask_chunks, off with chunks1).
         for n in CHUNKS if mask == "causal" else (1,) if mask_mod is not None else ():
             # a function of its own: jit would reuse the unchunked trace of the same one
             impls[f"fusedattn-cudnn-flex-chunks{n}"] = (

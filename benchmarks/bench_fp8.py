@@ -11,27 +11,23 @@ Rows at b4 s4096 h16 d128, causal and not, forward and forward+backward:
   cudnn-fe-fp8          cudnn-frontend's own Python graph of sdpa_fp8 (forward; the
                         ceiling), when its bindings load
 
-    python benchmarks/bench_fp8.py [--quick]
+    python -m benchmarks.bench_fp8 [--quick]
 
 Writes benchmarks/results/fp8_<device>.json.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_attention import _inputs  # noqa: E402
-from bench_attention import implementations as bf16_implementations  # noqa: E402
-from common import (device_meta, device_slug, print_table, row_grid, run_main, step,  # noqa: E402
-                    time_row, warm_into, write_results)
-
-import fusedattn  # noqa: E402
-from fusedattn import fp8  # noqa: E402
+import fusedattn
+from benchmarks.bench_attention import _inputs
+from benchmarks.bench_attention import implementations as bf16_implementations
+from benchmarks.common import (device_meta, device_slug, print_table, row_grid, run_main, step,
+                               time_row, warm_into, write_results)
+from fusedattn import fp8
 
 SHAPE = ("b4 s4096 h16 d128", 4, 4096, 16, 16, 128)
 
@@ -82,7 +78,7 @@ def bench(shape):
                 row[impl], notes[f"{impl} {mode}"] = None, why
         if mode == "fwd":
             try:
-                from cudnn_graphs import Graph, RawCall  # noqa: PLC0415 - optional bindings
+                from benchmarks.cudnn_graphs import Graph, RawCall  # noqa: PLC0415 - optional bindings
                 raw = RawCall(Graph(b, s, hq, d, causal, fp8=True, qko_layout="bshd",
                                     v_layout="bshd", stats=False, random=False,
                                     modes=("A", "FALLBACK")))

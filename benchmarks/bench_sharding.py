@@ -9,8 +9,8 @@ collectives XLA compiled into the sharded step and the memory XLA plans per devi
 (arguments + outputs + temporaries), with the unsharded call's for context
 parallelism.
 
-    python benchmarks/bench_sharding.py [--quick]     (needs 2 or more GPUs)
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/bench_sharding.py --smoke
+    python -m benchmarks.bench_sharding [--quick]     (needs 2 or more GPUs)
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.bench_sharding --smoke
         (the harness on CPU: tiny shapes on the XLA backend; numbers mean nothing)
 
 Writes benchmarks/results/sharding_<device>_x<n>.json.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +26,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))
-from common import (device_meta, device_slug, print_table, run_main, time_interleaved,  # noqa: E402
-                    warmed, write_results)
-from sharding_cases import collectives  # noqa: E402
-
-import fusedattn  # noqa: E402
-from fusedattn import ContextParallel  # noqa: E402
+import fusedattn
+from benchmarks.common import (collectives, device_meta, device_slug, print_table, run_main,
+                               time_interleaved, warmed, write_results)
+from fusedattn import ContextParallel
 
 DTYPE = jnp.bfloat16
 

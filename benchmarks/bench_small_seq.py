@@ -12,13 +12,12 @@ o; backward adds do, o, dq, dk, dv; padded dk/dv are written in full). The
 fraction is GB/s over the copy bandwidth measured in the same process. The
 backward time is (forward + backward) - forward.
 
-  python benchmarks/bench_small_seq.py [--quick]
+  python -m benchmarks.bench_small_seq [--quick]
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 # Every provider of a case stays ready for interleaved timing; the largest case
 # (h16 d512, ragged: padded and packed keys, two calls' gradients in flight, XLA's
@@ -29,11 +28,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import (device_meta, measure_ceilings, print_table, time_interleaved, warmed,  # noqa: E402
-                    write_results)
-
 import fusedattn  # noqa: E402
+from benchmarks.common import (device_meta, measure_ceilings, print_table,  # noqa: E402
+                               time_interleaved, warmed, write_results)
 from fusedattn.sequence import SequenceDescriptor  # noqa: E402
 from fusedattn.small_seq_api import fused_attn_small_seq  # noqa: E402
 

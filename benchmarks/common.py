@@ -106,8 +106,8 @@ def time_interleaved(calls: Dict[str, Tuple[Callable, tuple]], rounds: int = 7,
     Rounds go round-robin over the entries, so a drift of the device's clocks
     touches every entry alike and their ratios stay honest. Each round runs them in
     a new (seeded) order: in one fixed order an entry always follows the same
-    neighbour, and there (H100, 2026-11-24) two entries running the very same FA3
-    kernels came out 1-5% apart, while head to head they ran alike. Each
+    neighbour, and there two entries running the very same kernels came out several
+    percent apart while head to head they ran alike (docs/decisions.md). Each
     round repeats a call until it lasts about `min_round_s`, so short kernels are not
     timed against host jitter.
     """
@@ -140,6 +140,15 @@ def measure_ceilings() -> Dict[str, float]:
     return {"copy_GBps": copy_gbps, "bf16_matmul_TFLOPs": 2 * n**3 / t / 1e12}
 
 
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+
+
+def collectives(hlo_text: str) -> Dict[str, int]:
+    """How many of each collective the compiled HLO holds (async pairs counted once).
+    The same count as the sharding tests' helper; the benchmarks do not import tests."""
+    return {c: len(re.findall(rf"= [^=]*? {c}(?:-start)?\(", hlo_text)) for c in COLLECTIVES}
+
+
 def device_meta() -> Dict[str, str]:
     """Device, software versions and date, recorded with every result file."""
     dev = jax.devices()[0]
@@ -156,7 +165,7 @@ def device_meta() -> Dict[str, str]:
     except Exception:
         pass
     try:
-        from fusedattn.backends import native
+        from fusedattn.backends import extension as native
         meta.update(native.versions())
     except Exception:
         pass

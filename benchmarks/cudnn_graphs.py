@@ -1,7 +1,6 @@
 """cudnn-frontend's own attention graphs (sdpa / sdpa_fp8, forward or backward) on
 cupy buffers: no JAX, no FFI. The ceiling our cuDNN calls are measured against
-(`bench_fp8.py`) and the subject of the FP8 tune scripts (`tune/fp8_layouts.py`,
-`tune/fp8_kernels.py`, `tune/raw_vs_ours.py`). Needs cudnn-frontend's Python bindings
+(`bench_fp8.py`) and the subject of `tune/fp8_kernels.py`. Needs cudnn-frontend's Python bindings
 and cupy; importing this module without them raises ImportError.
 """
 from __future__ import annotations

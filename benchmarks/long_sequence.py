@@ -11,20 +11,16 @@ score matrix would take, and correctness checks that need no dense matrix:
 * sum over keys of dv == sum over queries of dO (rows of P sum to 1);
 * sum over keys of dk == 0 (each row of dS sums to 0).
 
-    python benchmarks/long_sequence.py --seq 16384 --heads 8 --dim 64
+    python -m benchmarks.long_sequence --seq 16384 --heads 8 --dim 64
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import sys
 import time
 
 import numpy as np
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 
 def _peak_rss_bytes() -> int:

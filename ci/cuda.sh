@@ -47,7 +47,8 @@ fi
 if [[ $step == all || $step == bench ]]; then
   for b in benchmarks/bench_*.py; do
     [[ $b == *cpu* ]] && continue
-    python3 "$b" 2>&1 | tee "$log_dir/$(basename "$b" .py).log"
+    b=$(basename "$b" .py)
+    python3 -m "benchmarks.$b" 2>&1 | tee "$log_dir/$b.log"
   done
   # Only this run's result files, in one archive (the logs sit beside it).
   find benchmarks/results -type f -newer "$log_dir/info.txt" -print0 \

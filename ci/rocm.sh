@@ -46,7 +46,8 @@ fi
 if [[ $step == all || $step == bench ]]; then
   for b in benchmarks/bench_*.py; do
     [[ -e $b && $b != *cpu* ]] || continue
-    python3 "$b" 2>&1 | tee "$log_dir/$(basename "$b" .py).log"
+    b=$(basename "$b" .py)
+    python3 -m "benchmarks.$b" 2>&1 | tee "$log_dir/$b.log"
   done
   cp benchmarks/results/* "$log_dir/" 2>/dev/null || true
 fi

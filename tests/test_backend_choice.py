@@ -6,8 +6,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from fusedattn import backend_choice, dispatch, plan_cache
-from fusedattn.backends import flash, native_call
+from fusedattn import dispatch, plan_cache
+
+from fusedattn.dispatch import measure as backend_choice
+from fusedattn.dispatch import registry
+from fusedattn.backends import flash
+from fusedattn.backends import native_op as native_call
 from fusedattn.config import AttnConfig
 from fusedattn.validation import build_call
 
@@ -117,16 +121,11 @@ def test_rivals_only_when_the_group_leads_and_has_two():
 
 
 def _fake_rivals(monkeypatch):
-    real = dispatch.load_backend
-
-    def fake(name):
-        if name in ("cudnn", "flash"):
-            return types.SimpleNamespace(name=name, platforms=("cuda",), supports=lambda c: None)
-        if name == "small_seq":
-            return types.SimpleNamespace(name=name, platforms=("cuda",),
-                                         supports=lambda c: "not small")
-        return real(name)
-    monkeypatch.setattr(dispatch, "load_backend", fake)
+    for name in ("cudnn", "flash"):
+        monkeypatch.setitem(registry.BACKENDS, name, types.SimpleNamespace(
+            name=name, platforms=("cuda",), supports=lambda c: None))
+    monkeypatch.setitem(registry.BACKENDS, "small_seq", types.SimpleNamespace(
+        name="small_seq", platforms=("cuda",), supports=lambda c: "not small"))
 
 
 def test_dispatch_measures_each_step_when_first_needed_and_explain_shows_it(monkeypatch):
@@ -171,7 +170,7 @@ def _traced_steps(monkeypatch, timings):
 def test_a_training_step_measures_and_runs_only_the_training_choice(monkeypatch):
     plan, inputs, m, seen = _traced_steps(
         monkeypatch, {"cudnn": (1e-3, 4e-3), "flash": (2e-3, 3e-3)})
-    jax.jit(jax.grad(lambda q: plan.attention(inputs._replace(q=q)).astype(
+    jax.jit(jax.grad(lambda q: plan.run(inputs._replace(q=q)).astype(
         jnp.float32).sum()))(inputs.q)
     assert m.calls == ["training"]
     assert seen == [("training", "flash"), ("backward", "flash")]
@@ -180,7 +179,7 @@ def test_a_training_step_measures_and_runs_only_the_training_choice(monkeypatch)
 def test_a_call_without_gradient_measures_and_runs_only_the_inference_choice(monkeypatch):
     plan, inputs, m, seen = _traced_steps(
         monkeypatch, {"cudnn": (1e-3, 4e-3), "flash": (2e-3, 3e-3)})
-    jax.jit(lambda q: plan.attention(inputs._replace(q=q)))(inputs.q)
+    jax.jit(lambda q: plan.run(inputs._replace(q=q)))(inputs.q)
     assert m.calls == ["inference"] and seen == [("inference", "cudnn")]
 
 

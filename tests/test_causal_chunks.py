@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import flex_cases as fc
+from support import flex_cases as fc
 import fusedattn
-from fusedattn import causal_chunks, dispatch, flex_lowering
+from fusedattn import dispatch
+from fusedattn.backends.cudnn import causal_chunks
+from fusedattn.backends.cudnn.lowering import lower as flex_lowering
 from fusedattn.backends import cudnn, xla
 from fusedattn.validation import build_call
 
@@ -159,7 +161,7 @@ def test_chunks_under_a_batch_and_head_split():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from fusedattn.backends import native_call
+    from fusedattn.backends import native_op as native_call
     config, inputs, parts = _call("alibi bottom-right")
     mesh = jax.make_mesh((2, 2), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     shard = NamedSharding(mesh, P("dp", None, "tp"))

@@ -13,11 +13,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import attn_cases
-import sharding_cases as sc
+from support import attn_cases
+from support import sharding_cases as sc
 import fusedattn
-from fusedattn import ContextParallel, context_parallel, context_parallel_steps
-from fusedattn.backends import native_call
+from fusedattn import ContextParallel, context_parallel
+from fusedattn.context_parallel import blocks as context_parallel_steps
+from fusedattn.backends import native_op as native_call
 
 TOL = attn_cases.TOLERANCE["float32"]
 
@@ -134,7 +135,7 @@ def test_inputs_already_in_zigzag_order():
 def test_native_kernels_inside_the_ring_split_batch_without_gathers(monkeypatch):
     """The ring around native_call (the path cudnn takes), with the batch also split:
     the kernels partition over dp inside the shard_map; no all-gather anywhere."""
-    monkeypatch.setattr(context_parallel_steps, "_kernels", lambda backend: (
+    monkeypatch.setattr(context_parallel_steps, "kernels", lambda backend: (
         functools.partial(native_call.forward, "xla"), functools.partial(native_call.backward,
                                                                          "xla")))
     case = attn_cases.Case(b=2, s_q=64, s_kv=64, h_q=4, h_kv=2, d_qk=16, d_v=16, mask="causal")

@@ -14,7 +14,7 @@ import pytest
 import fusedattn
 from fusedattn import dispatch, score_mods
 from fusedattn.backends import cudnn
-from fusedattn.backends.base import AttnInputs
+from fusedattn.inputs import AttnInputs
 from fusedattn.config import AttnConfig
 from fusedattn.sequence import SequenceDescriptor
 
@@ -131,15 +131,15 @@ def test_builtin_score_mods_have_no_python_side_reason():
 def test_graphs_that_copy_from_host_go_through_the_targets_xla_does_not_capture(monkeypatch):
     alibi = dataclasses.replace(BASE, mask="causal", sequence="padding", score_mod=ALIBI)
     assumed = cudnn.Probe(True, "assumed", (0, 0, 0))
-    assert cudnn.host_copies(alibi, assumed) == (True, True, True)  # from the config alone
+    assert cudnn.kernels.host_copies(alibi, assumed) == (True, True, True)  # from the config alone
     lowered = dataclasses.replace(alibi, sequence="dense")  # a program: no copies
-    assert cudnn.host_copies(lowered, assumed) == (False, False, False)
+    assert cudnn.kernels.host_copies(lowered, assumed) == (False, False, False)
     told = cudnn.Probe(True, "", (0, 0, 0), host_copies=(False, False, True))
-    assert cudnn.host_copies(BASE, told) == (False, False, True)  # and from the probe
-    monkeypatch.setattr(cudnn, "probe", lambda config: told)
-    monkeypatch.setattr(cudnn.BACKEND, "supports", lambda config: None)
-    monkeypatch.setattr(cudnn, "_register", lambda: None)
-    static = cudnn.static_call(BASE)
+    assert cudnn.kernels.host_copies(BASE, told) == (False, False, True)  # and from the probe
+    monkeypatch.setattr(cudnn.kernels, "probe", lambda config: told)
+    monkeypatch.setattr(cudnn.kernels, "supports", lambda config: None)
+    monkeypatch.setattr(cudnn.kernels, "register_targets", lambda: None)
+    static = cudnn.kernels.static_call(BASE)
     assert static.targets == (cudnn.TARGET_FWD, cudnn.TARGET_FWD, cudnn.TARGET_BWD_NOCMDBUF)
 
 
@@ -171,7 +171,7 @@ def test_thd_offsets_address_segment_starts():
                               sequence="packed", max_segments=3, qkv_packing="separate")
     seq = SequenceDescriptor.from_segment_ids(
         np.array([[1, 1, 1, 2, 2, 0, 0, 0], [1, 2, 2, 2, 2, 2, 3, 3]]), max_segments=3)
-    q_len, kv_len, rq, rk, rv, ro, rstats = (np.asarray(a) for a in cudnn._packed_arrays(cfg, seq))
+    q_len, kv_len, rq, rk, rv, ro, rstats = (np.asarray(a) for a in cudnn.kernels.packed_arrays(cfg, seq))
     np.testing.assert_array_equal(q_len, [3, 2, 0, 1, 5, 2])
     starts = np.array([0, 3, 3, 8, 9, 14, 16])  # token index of each segment, then the total
     np.testing.assert_array_equal(rq, starts * 2 * 8)
@@ -266,7 +266,7 @@ def test_attention_with_lse_shapes_under_eval_shape(cuda_lowering):
 def test_stored_plans_name_the_graph_form(monkeypatch, tmp_path):
     """A plan stored for a key is only loaded for the graph form that made it."""
     from fusedattn import plan_cache
-    from fusedattn.backends import cudnn_probe
+    from fusedattn.backends.cudnn import graphs as cudnn_probe
 
     class Module:
         cudnn_device_identity = staticmethod(lambda: {"name": "gpu", "sm": 90,

@@ -159,7 +159,7 @@ def _flex_config(name, **change):
     import jax
     import jax.numpy as jnp
 
-    import flex_cases
+    from support import flex_cases
     from fusedattn.validation import build_call
     mod, mask_mod, args, _ = flex_cases.MODS[name]
     h_kv = change.pop("h_kv", 4)

@@ -8,6 +8,7 @@ import pytest
 
 import fusedattn
 from fusedattn import dispatch
+from fusedattn.dispatch import registry
 from fusedattn.validation import build_call
 
 Q = jax.ShapeDtypeStruct((2, 64, 4, 32), jnp.bfloat16)
@@ -68,19 +69,16 @@ def test_an_explicit_backend_argument_beats_the_environment(monkeypatch):
 
 
 def test_preference_order_and_broken_backends(monkeypatch):
-    """A backend that fails to import or crashes in supports() is a reason, not a crash."""
+    """A backend whose supports() crashes (its extension fails to load, a bug) is a reason,
+    not a crash."""
     cfg, _ = build_call(Q, Q, Q)
 
-    def fake(name):
-        if name == "cudnn":
-            raise ImportError("libcudnn.so.9: cannot open shared object file")
-        if name == "small_seq":
-            return types.SimpleNamespace(name=name, platforms=("cuda",),
-                                         supports=lambda c: 1 / 0)
-        return real(name)
-
-    real = dispatch.load_backend
-    monkeypatch.setattr(dispatch, "load_backend", fake)
+    def cannot_load(config):
+        raise ImportError("libcudnn.so.9: cannot open shared object file")
+    monkeypatch.setitem(registry.BACKENDS, "cudnn", types.SimpleNamespace(
+        name="cudnn", platforms=("cuda",), supports=cannot_load))
+    monkeypatch.setitem(registry.BACKENDS, "small_seq", types.SimpleNamespace(
+        name="small_seq", platforms=("cuda",), supports=lambda c: 1 / 0))
     plan = dispatch.plan(cfg, platform="cuda")
     reasons = dict(plan.reasons)
     assert [n for n, _ in plan.reasons][:4] == ["small_seq", "cudnn", "flash", "xla"]

@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-import attn_cases as ac
+from support import attn_cases as ac
 from fusedattn.backends import xla
-from fusedattn.backends.xla_tiles import Tiling
+from fusedattn.backends.xla.tiles import Tiling
 from fusedattn.config import AttnConfig
 from fusedattn.validation import build_call
 

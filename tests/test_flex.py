@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import attn_cases as ac
-import flex_cases as fc
+from support import attn_cases as ac
+from support import flex_cases as fc
 import fusedattn
-import oracle
-from fusedattn import dispatch, flex_interpreter, flex_lowering, score_mods
+from support import oracle
+from fusedattn import dispatch, score_mods
+from support import flex_interpreter
+from fusedattn.backends.cudnn.lowering import lower as flex_lowering
 from fusedattn.backends import cudnn
 from fusedattn.config import AttnConfig
 from fusedattn.validation import build_call
@@ -201,11 +203,44 @@ def test_mask_mod_validation():
     q = jnp.zeros((1, 8, 2, 16), jnp.float32)
     with pytest.raises(TypeError, match="mask_mod must be a function"):
         fusedattn.fused_attn(q, q, q, mask_mod=3)
-    with pytest.raises(ValueError, match="mask_mod must return booleans"):
+    with pytest.raises(TypeError, match="mask_mod must return booleans"):
         fusedattn.fused_attn(q, q, q, mask_mod=lambda b, h, i, j: i - j)
     out = fusedattn.fused_attn(q + 1.0, q, q + jnp.arange(8.0)[None, :, None, None],
                                mask_mod=lambda b, h, i, j: j == 0)
     np.testing.assert_allclose(np.asarray(out), 0.0)  # only key 0 (value 0) is kept
+
+
+@pytest.mark.parametrize("mod, error, fragment", [
+    (lambda s, b, h, i, j: j <= i, TypeError, "mask_mod=lambda"),      # a mask as score_mod
+    (lambda s, b, h, i, j: (s * 4).astype(jnp.int32), TypeError, "returned int32"),
+    (lambda s, b, h, i, j: s + 1j, TypeError, "complex"),
+    (lambda s, b, h, i, j: (s + i).astype(jnp.int8), TypeError, "floating dtype"),
+])
+def test_score_mod_results_of_other_dtypes_are_refused(mod, error, fragment):
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(error, match=fragment):
+        fusedattn.fused_attn(q, q, q, score_mod=mod)
+    with pytest.raises(error, match=fragment):  # beside a mask_mod too
+        fusedattn.fused_attn(q, q, q, score_mod=mod, mask_mod=lambda b, h, i, j: j <= i)
+
+
+def test_mask_mod_results_are_checked():
+    q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+    with pytest.raises(TypeError, match="pass it as score_mod"):
+        fusedattn.fused_attn(q, q, q, mask_mod=lambda b, h, i, j: (i - j) * 0.5)
+    with pytest.raises(ValueError, match="elementwise"):
+        fusedattn.fused_attn(q, q, q, mask_mod=lambda b, h, i, j: jnp.ones((1, 1, 5, 5), bool))
+    assert fusedattn.fused_attn(q, q, q, mask_mod=lambda b, h, i, j: True).shape == q.shape
+
+
+def test_alibi_with_another_head_count_is_refused():
+    q = jnp.zeros((1, 8, 4, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"alibi\(8\) on a call with 4 query heads"):
+        fusedattn.fused_attn(q, q, q, mask="causal", score_mod=score_mods.alibi(8))
+    with pytest.raises(ValueError, match=r"alibi\(2\)"):
+        fusedattn.fused_attn(q, q, q, score_mod=score_mods.alibi(2),
+                             mask_mod=lambda b, h, i, j: j <= i)
+    fusedattn.fused_attn(q, q, q, mask="causal", score_mod=score_mods.alibi(4))
 
 
 def test_same_config_fields_for_masked_mods():
@@ -230,7 +265,9 @@ def test_score_mods_under_a_split_read_the_calls_batch_and_head_numbers(name):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from fusedattn.backends import native_call, xla
+    from fusedattn.backends import xla
+
+    from fusedattn.backends import native_op as native_call
     if name == "alibi_builtin":
         mod, mask_mod, args = score_mods.alibi(4), None, ()
     elif name == "head_mask_mod":
@@ -261,7 +298,7 @@ def test_a_shards_lowered_program_reads_the_calls_heads(name):
     """What cuDNN runs on the second of two head shards: its per-head input holds the
     call's heads 2 and 3 (the built-in ALiBi, whose cuDNN form would compute slopes for
     the shard's own head count, is lowered as a program there)."""
-    from fusedattn.backends import native_call
+    from fusedattn.backends import native_op as native_call
     if name == "alibi_builtin":
         q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.bfloat16)
         config, _ = build_call(q, q, q, score_mod=score_mods.alibi(H))

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import flex_cases as fc
-from fusedattn import flex_lowering
+from support import flex_cases as fc
+from fusedattn.backends.cudnn.lowering import lower as flex_lowering
 from fusedattn.config import AttnConfig
 from fusedattn.score_mods import Masked
 

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fp8_cases as fc
+from support import fp8_cases as fc
 import fusedattn
 from fusedattn import dispatch, fp8
-from fusedattn.backends import cudnn, cudnn_fp8
+from fusedattn.backends import cudnn
+from fusedattn.backends.cudnn import fp8 as cudnn_fp8
 
 CASES = [
     fc.Fp8Case(),
@@ -177,7 +178,7 @@ def test_causal_fp8_backward_groups(monkeypatch):
 
 
 def test_a_refused_split_runs_one_call_and_says_why(monkeypatch):
-    monkeypatch.setattr(cudnn.BACKEND, "supports",
+    monkeypatch.setattr(cudnn_fp8, "supports",
                         lambda c: "too small here" if c.batch < 4 else None)
     groups, why = cudnn_fp8.backward_split(_fp8_config(4, 16, 16))
     assert groups == (((0, 4), (0, 16)),)
@@ -202,7 +203,7 @@ def test_fp8_calls_split_over_batch_and_heads_with_scalar_all_reduces_only():
     """precision='fp8' under jit with dp x tp NamedSharding inputs: no gather; the only
     all-reduces are of scalars (the amaxes behind the global scales, and the loss);
     numbers equal the unsplit call."""
-    import sharding_cases as sc
+    from support import sharding_cases as sc
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     mesh = _mesh((2, 4), ("dp", "tp"))

@@ -43,8 +43,8 @@ def test_rocm_extension_built_for_other_architectures_is_a_reason(monkeypatch):
     reason), rather than failing at the first kernel launch."""
     import types
 
-    from fusedattn import vendor_info
-    from fusedattn.backends import native
+    from fusedattn import vendor as vendor_info
+    from fusedattn.backends import extension as native
     module = types.SimpleNamespace(hip_architectures="gfx90a;gfx942")
     monkeypatch.setattr(vendor_info, "rocm_archs", lambda: ["gfx1100"])
     why = native.architecture_reason(module)

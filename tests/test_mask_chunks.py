@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import flex_cases as fc
+from support import flex_cases as fc
 import fusedattn
-from fusedattn import causal_chunks, dispatch, mask_chunks
+from fusedattn import dispatch
+from fusedattn.backends.cudnn import causal_chunks
+from fusedattn.backends.cudnn import mask_chunks
 from fusedattn.backends import cudnn, xla
 from fusedattn.config import AttnConfig
 from fusedattn.score_mods import Masked

@@ -4,8 +4,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import attn_cases as ac
-from fusedattn.backends.xla_tiles import Tiling
+from support import attn_cases as ac
+from fusedattn.backends.xla.tiles import Tiling
 
 
 @st.composite

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import attn_cases as ac
+from support import attn_cases as ac
 import fusedattn
 from fusedattn import dispatch, score_mods
-from fusedattn.backends.xla_tiles import Tiling
+from fusedattn.backends.xla.tiles import Tiling
 from fusedattn.config import AttnConfig
 
 

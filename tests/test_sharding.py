@@ -20,11 +20,12 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import sharding_cases as sc
+from support import sharding_cases as sc
 import fusedattn
 from fusedattn import SequenceDescriptor, partitioning
-from fusedattn.backends import cudnn, native_call
-from fusedattn.backends.base import AttnInputs
+from fusedattn.backends import cudnn
+from fusedattn.backends import native_op as native_call
+from fusedattn.inputs import AttnInputs
 from fusedattn.validation import build_call
 
 TOL = 1e-5  # fp32: the same arithmetic on fewer rows

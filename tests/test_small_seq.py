@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import small_seq_reference as ref
+from support import small_seq_reference as ref
 from fusedattn.backends import small_seq
 from fusedattn.config import AttnConfig
 from fusedattn.sequence import SequenceDescriptor

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import attn_cases as ac
-import oracle
+from support import attn_cases as ac
+from support import oracle
 from fusedattn.backends import xla
-from fusedattn.backends.xla_tiles import TILE, Tiling, choose_tiling
+from fusedattn.backends.xla.tiles import TILE, Tiling, choose_tiling
 from fusedattn.config import AttnConfig
 
 MASKS = ("none", "causal", "causal_bottom_right")

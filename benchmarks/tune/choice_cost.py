@@ -6,7 +6,7 @@ give the measurement's share (`backend_choice`: the training step of both rivals
 compiled side by side, warm-up, timed rounds; the rest is the user's own step
 compiled); then each step's measurement again.
 
-    python benchmarks/tune/choice_cost.py [d] [causal 0/1]     (b4 s4096 h16, default d128)
+    python -m benchmarks.tune.choice_cost [d] [causal 0/1]     (b4 s4096 h16, default d128)
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import fusedattn  # noqa: E402
-from fusedattn import backend_choice as bc  # noqa: E402
+from fusedattn.dispatch import measure as bc  # noqa: E402
 from fusedattn.config import AttnConfig  # noqa: E402
 from fusedattn.dispatch import load_backend  # noqa: E402
 

@@ -4,20 +4,15 @@ b4 s4096 h16 d128 bf16, causal and not, three times each with
 benchmarks do (round-robin, 7 rounds, median), and prints both. Needs a Hopper GPU
 with flash-attn3-jax.
 
-    python benchmarks/tune/choice_stability.py
+    python -m benchmarks.tune.choice_stability
 """
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_attention import _inputs  # noqa: E402
-from common import run_main, step, time_interleaved, warm_into  # noqa: E402
-
-import fusedattn  # noqa: E402
-from fusedattn import backend_choice  # noqa: E402
-from fusedattn.config import AttnConfig  # noqa: E402
+import fusedattn
+from benchmarks.bench_attention import _inputs
+from benchmarks.common import run_main, step, time_interleaved, warm_into
+from fusedattn.dispatch import measure as backend_choice
+from fusedattn.config import AttnConfig
 
 B, S, H, D = 4, 4096, 16, 128
 

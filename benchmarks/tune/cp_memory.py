@@ -2,8 +2,8 @@
 step of one bench_sharding row and print XLA's memory plan, with the buffers
 live at the peak from XLA's buffer assignment (dumped under /tmp/cp_memory_dump).
 
-    python benchmarks/tune/cp_memory.py [--s 32768] [--strategy ring] [--zigzag-inputs]
-    XLA_FLAGS=--xla_force_host_platform_device_count=2 python benchmarks/tune/cp_memory.py \
+    python -m benchmarks.tune.cp_memory [--s 32768] [--strategy ring] [--zigzag-inputs]
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m benchmarks.tune.cp_memory \
         --s 1024 --backend xla        (the harness on CPU)
 """
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import sys
 
 dump = "/tmp/cp_memory_dump"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
@@ -21,9 +20,7 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from bench_sharding import _attention_case, _memory, _step  # noqa: E402
-
+from benchmarks.bench_sharding import _attention_case, _memory, _step  # noqa: E402
 from fusedattn import ContextParallel  # noqa: E402
 
 

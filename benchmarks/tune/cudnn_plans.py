@@ -6,7 +6,7 @@ d128, BF16 and FP8, forward (inference) and backward, causal and not; builds eve
 plan of heuristic modes A and FALLBACK and times each with CUDA events. Prints
 one line per plan: index, name, ms, TFLOP/s (BF16 FLOP count, causal halved).
 
-    python benchmarks/tune/cudnn_plans.py [--shape b,s,h,d]
+    python -m benchmarks.tune.cudnn_plans [--shape b,s,h,d]
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Which collectives does a precision="fp8" training step hold under a mesh with
 Explicit axes (JAX's default since 0.11) on 8 host CPU devices? The XLA emulation's
 FP8 calls go through the same partitioning rule as cuDNN's (backends/native_call.py),
-so this shows on CPU what 2x H200 showed with cuDNN: an all-gather of FP8 tensors.
+so this tells on CPU whether the all-gather of FP8 tensors that cuDNN's FP8 calls hold
+on two GPUs comes from that rule.
 
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-        python benchmarks/tune/explicit_axes_fp8.py
+        python -m benchmarks.tune.explicit_axes_fp8
 """
 from __future__ import annotations
 

@@ -4,22 +4,20 @@ as a lowered mask_mod alone, with a relative-position score_mod, and the unmaske
 score_mod. b4 s4096 h16 d128 bf16, TFLOP/s with the causal FLOP count (half) for
 every row, so a rate near the plain causal one means the blocks were skipped. GPU.
 
-    python benchmarks/tune/flex_mask_speed.py
+    python -m benchmarks.tune.flex_mask_speed
 """
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from bench_attention import _inputs  # noqa: E402
-from common import print_table, run_main, step, time_row, warm_into  # noqa: E402
+import jax.numpy as jnp
 
-import jax.numpy as jnp  # noqa: E402
-
-import fusedattn  # noqa: E402
-from fusedattn import causal_chunks, score_mods  # noqa: E402
-from fusedattn.config import AttnConfig  # noqa: E402
+import fusedattn
+from benchmarks.bench_attention import _inputs
+from benchmarks.common import print_table, run_main, step, time_row, warm_into
+from fusedattn import score_mods
+from fusedattn.backends.cudnn import causal_chunks
+from fusedattn.config import AttnConfig
 
 os.environ[causal_chunks.ENV_CHUNKS] = "1"  # one call each: what cuDNN itself skips
 

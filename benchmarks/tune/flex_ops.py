@@ -3,11 +3,12 @@
 b2 s256 h4 d64 bf16 config per probe program and prints ok / the first line of
 cuDNN's refusal. Informs flex_lowering's choices; needs a GPU.
 
-    python benchmarks/tune/flex_ops.py
+    python -m benchmarks.tune.flex_ops
 """
 from __future__ import annotations
 
-from fusedattn.backends import cudnn, native
+from fusedattn.backends import cudnn
+from fusedattn.backends import extension as native
 from fusedattn.config import AttnConfig
 
 BASE = AttnConfig(batch=2, s_q=256, s_kv=256, h_q=4, h_kv=4, d_qk=64, d_v=64, dtype="bfloat16",

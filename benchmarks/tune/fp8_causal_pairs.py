@@ -1,29 +1,26 @@
 """How many (batch, head) pairs should one call of cuDNN's causal FP8 backward take
-(backends/cudnn_fp8.py, CAUSAL_BACKWARD_PAIRS)?
+(backends/cudnn/fp8.py, CAUSAL_BACKWARD_PAIRS)?
 
 Causal forward+backward, timed round-robin in one process: precision="fp8" and the
 explicit FP8 kernels (fp8.attention on FP8 tensors), with the backward as one call
 (limit 0) or in calls of at most 16 / 32 pairs, beside our BF16 cuDNN step. TFLOP/s
 count the BF16 FLOPs of a causal step (halved).
 
-    python benchmarks/tune/fp8_causal_pairs.py
+    python -m benchmarks.tune.fp8_causal_pairs
 """
 from __future__ import annotations
 
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from bench_fp8 import explicit_inputs  # noqa: E402
-from common import fwd_bwd, time_interleaved, warmed  # noqa: E402
-
-import fusedattn  # noqa: E402
-from fusedattn import fp8  # noqa: E402
-from fusedattn.backends import cudnn_fp8  # noqa: E402
-from fusedattn.config import AttnConfig  # noqa: E402
+import fusedattn
+from benchmarks.bench_fp8 import explicit_inputs
+from benchmarks.common import fwd_bwd, time_interleaved, warmed
+from fusedattn import fp8
+from fusedattn.backends.cudnn import fp8 as cudnn_fp8
+from fusedattn.config import AttnConfig
 
 SHAPES = [(4, 4096, 16, 16), (8, 2048, 16, 16), (16, 4096, 16, 16), (4, 4096, 32, 8),
           (1, 16384, 16, 16)]

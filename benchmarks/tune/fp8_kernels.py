@@ -3,20 +3,18 @@ does each take? cudnn-frontend's own graphs (cudnn_graphs.Graph, the heuristics'
 plan), each run a few times under torch.profiler (CUPTI sees every kernel of the
 process, whoever launched it).
 
-    python benchmarks/tune/fp8_kernels.py [--backward-only] [b,s,h ...]   (default 4,4096,16 1,16384,16)
+    python -m benchmarks.tune.fp8_kernels [--backward-only] [b,s,h ...]   (default 4,4096,16 1,16384,16)
 """
 from __future__ import annotations
 
 import collections
-import os
 import sys
 
 import cupy as cp
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-from cudnn_graphs import Graph  # noqa: E402
+from benchmarks.cudnn_graphs import Graph
 
 REPS = 5
 

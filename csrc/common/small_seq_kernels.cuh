@@ -31,16 +31,16 @@ namespace fusedattn::small_seq {
 #endif
 // Forward: at most this many 16-byte key (then value) vectors per lane in
 // registers at once; more keys are loaded in chunks. 0: the measured default
-// (benchmarks/tune): 16 with one vector per lane (d <= 256), 8 with two (d 512,
-// where 16 spill and cost 2-4% of bandwidth).
+// (benchmarks/tune/tune_small_seq.sh): 16 with one vector per lane (d <= 256), 8
+// with two (d 512, where 16 spill; docs/decisions.md).
 #ifndef FUSEDATTN_SMALL_SEQ_FWD_ROW_VECS
 #define FUSEDATTN_SMALL_SEQ_FWD_ROW_VECS 0
 #endif
 // Backward (general kernel): 16-byte key vectors per lane in one step's set of k
 // (and as many of v) rows; the next step's set is in flight meanwhile. 0: the
-// measured default (benchmarks/tune, H100): 4, i.e. four keys a step, with one
-// vector per lane (d <= 256); 2, one key a step, at d 512, where 4 spill and
-// cost 8-12% of bandwidth (0.84-0.90 -> 0.94-0.97 of copy bandwidth).
+// measured default (benchmarks/tune/tune_small_seq.sh): 4, i.e. four keys a step,
+// with one vector per lane (d <= 256); 2, one key a step, at d 512, where 4 spill
+// (docs/decisions.md).
 #ifndef FUSEDATTN_SMALL_SEQ_BWD_ROW_VECS
 #define FUSEDATTN_SMALL_SEQ_BWD_ROW_VECS 0
 #endif
@@ -427,11 +427,10 @@ __global__ void __launch_bounds__(kThreads, FUSEDATTN_SMALL_SEQ_BWD_MIN_BLOCKS) 
 // Backward with one query head per kv head (MHA), at most 4 keys and one
 // 16-byte vector per lane (d <= 256). There a team's whole key set is one
 // burst of loads followed by compute with nothing in flight, which leaves the
-// memory system idle too often (0.75 of copy bandwidth on H100; 0.96-1.01 with
-// this kernel). So each team walks Items (token, head) rows kPerBlock apart (a
-// block still covers contiguous rows at every step) and loads the next row's
-// k and v while it computes this one, as the chunk loop of the general kernel
-// does.
+// memory system idle too often (docs/decisions.md). So each team walks Items
+// (token, head) rows kPerBlock apart (a block still covers contiguous rows at
+// every step) and loads the next row's k and v while it computes this one, as
+// the chunk loop of the general kernel does.
 // The math, stores and error handling are those of small_seq_bwd_kernel with
 // group == 1.
 template <class T, int D, int KVB, int Items>

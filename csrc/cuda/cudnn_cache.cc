@@ -43,8 +43,8 @@ std::string deserialize(std::shared_ptr<fe::graph::Graph>& g, cudnnHandle_t hand
   try {
     // No frontend warmup: it captures the plan into a throwaway CUDA graph, and a
     // capture begun here while XLA captures a command buffer on another thread
-    // invalidates XLA's (seen on H200: cudaErrorStreamCaptureInvalidated in the next
-    // jitted call); it also failed outright for some plans (d64 causal, cuDNN 9.19).
+    // invalidates XLA's (cudaErrorStreamCaptureInvalidated in the next jitted call;
+    // docs/decisions.md); it also failed outright for some plans (d64 causal, cuDNN 9.19).
     // A freshly built graph gets no warmup either.
     return check(g->deserialize(handle, plan, /*enforce_precompiled=*/false, /*warmup=*/false),
                  "deserialize");

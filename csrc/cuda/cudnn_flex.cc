@@ -166,12 +166,13 @@ TensorPtr emit(const FlexProgram& program, const std::shared_ptr<fe::graph::Grap
   // A fresh index node for every use, as cuDNN's own masks each generate theirs. In
   // a forward program it is generated from the latest float value, as the frontend's
   // diagonal band mask generates its indices from the score it masks: cuDNN 9.19
-  // skips the tiles a causal select hides only in that form (on H100 a causal
-  // relative-position program ran at 454 TFLOP/s so and at 258 with indices of the
-  // raw score: benchmarks/tune/flex_mask_speed.py). A bprop has no masks.
+  // skips the tiles a causal select hides only in that form (docs/decisions.md;
+  // benchmarks/tune/flex_mask_speed.py measures it). A bprop has no masks; its indices
+  // are generated from the gradient it receives, as the frontend's own bprop sample
+  // does (test_flexible_sdpa_bprop.py), never from the recomputed score.
   TensorPtr latest = score;
   auto index = [&](int axis) {
-    TensorPtr idx = g->pointwise(grad ? score : latest, fe::graph::Pointwise_attributes()
+    TensorPtr idx = g->pointwise(grad ? grad : latest, fe::graph::Pointwise_attributes()
                                             .set_mode(PointwiseMode_t::GEN_INDEX).set_axis(axis)
                                             .set_compute_data_type(fe::DataType_t::INT32));
     idx->set_data_type(fe::DataType_t::INT32);

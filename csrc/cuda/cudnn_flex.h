@@ -5,7 +5,8 @@
 // A program is text: instructions separated by '|', each "op:operand,operand,..".
 // Operands: s (the score: fp32 scaled logits), q / k (query / key index, from
 // cuDNN's index generation along axes 2 / 3; in a forward program, of the latest
-// float value, so a mask written after the score_mod has the frontend's form), g
+// float value, so a mask written after the score_mod has the frontend's form; in a
+// bprop, of its gradient, as the frontend's bprop sample), g
 // (the incoming gradient, bprop only), aN (static input N: a float tensor
 // broadcast over [b, h, s_q, s_kv], evaluated by XLA from batch / head indices and
 // score_mod_args; int32 where the inputs' text marks it), vN (the result of

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import dispatch, explain, fused_attn
+from .backends import extension
+from .vendor import cuda_lines, rocm_lines
 
 
 def _x64():
@@ -20,12 +22,6 @@ def _x64():
     return enable_x64()
 
 
-def _native_status() -> str:
-    try:
-        from .backends import native
-    except ImportError as e:
-        return f"not available ({e})"
-    return native.status()
 
 
 def info(_args) -> int:
@@ -35,14 +31,12 @@ def info(_args) -> int:
     print(f"platform       {platform}")
     for d in jax.devices():
         print(f"device         {d.id}: {getattr(d, 'device_kind', d)}")
-    print(f"native         {_native_status()}")
+    print(f"native         {extension.status()}")
     if platform == "cuda":
-        from .backends import native  # noqa: PLC0415
-        v = native.versions()
+        v = extension.versions()
         if "cudnn" in v:
             print(f"cudnn          runtime {v['cudnn']} (built with {v['cudnn_compiled']}), "
                   f"frontend {v['cudnn_frontend']}, CUDA {v['cuda_compiled']}")
-    from .vendor_info import cuda_lines, rocm_lines  # noqa: PLC0415
     for line in (rocm_lines() if platform == "rocm" else cuda_lines() if platform == "cuda"
                  else cuda_lines() + rocm_lines()):
         print(line)

@@ -6,10 +6,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import jax
 
-from . import dispatch, fp8, partitioning
-from .context_parallel import ContextParallel
-from .context_parallel import attention as context_parallel_attention
-from .context_parallel import axis_size
+from . import dispatch, partitioning
+from .context_parallel import ContextParallel, axis_size
 from .sequence import SequenceDescriptor
 from .validation import build_call
 
@@ -52,7 +50,7 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
       dropout, rng: dropout rate on the probabilities and its PRNG key.
       score_mod, score_mod_args: ``f(score, batch, head, q_idx, kv_idx, *args)``
         applied to the scaled (and biased) logits. On cuDNN any such JAX function is
-        lowered to the graph's pointwise operations (`fusedattn.flex_lowering`;
+        lowered to the graph's pointwise operations (`lowering.lower`;
         ``explain`` says why when it cannot be).
       mask_mod: ``f(batch, head, q_idx, kv_idx, *score_mod_args) -> bool``: pairs it
         rejects are masked (on top of ``mask``, ``window`` and the sequence).
@@ -76,13 +74,7 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
         score_mod=score_mod, score_mod_args=score_mod_args, mask_mod=mask_mod,
         deterministic=deterministic, layout=layout, precision=precision)
     cp = _check_context_parallel(context_parallel)
-    plan = dispatch.plan(config, backend, context_parallel=cp)
-    if cp is not None:
-        plan.backend  # noqa: B018 - raises UnsupportedError with every reason
-        return context_parallel_attention(config, inputs, cp, plan.chosen)
-    if config.is_fp8:
-        return fp8.current_scaling_attention(config, inputs, plan.backend.name)
-    return plan.attention(inputs)
+    return dispatch.plan(config, backend, context_parallel=cp).run(inputs)
 
 
 def _check_context_parallel(cp) -> Optional[ContextParallel]:

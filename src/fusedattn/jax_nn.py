@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import dispatch
-from .backends import native_call, xla
 from .config import DTYPES
 from .sequence import SequenceDescriptor
 from .validation import build_call
@@ -132,18 +131,14 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
                         f"additive mask goes in bias")
     sequence = None if q_lengths is None else SequenceDescriptor.from_lengths(q_lengths,
                                                                              kv_lengths)
-    config, inputs = build_call(q, k, v, bias=_bias_with_mask(bias, mask4, q.dtype, b, n, t, s),
+    config, inputs = build_call(q, k, v, bias=bias_with_mask(bias, mask4, q.dtype, b, n, t, s),
                                 sequence=sequence, mask="causal" if is_causal else "none",
                                 window=window, scale=scale, dropout=dropout, rng=rng)
     plan = dispatch.plan(config, backend)
     if not need_lse:
-        out = plan.attention(inputs)
+        out = plan.run(inputs)
     else:
-        if plan.chosen == "xla":
-            out, lse = xla.attention_with_lse(config, inputs)
-        else:
-            plan.backend  # noqa: B018 - raises UnsupportedError with every reason
-            out, lse = native_call.attention(plan.chosen, config, inputs, need_lse=True)
+        out, lse = plan.run_with_lse(inputs)
         lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(k.dtype))  # [B, T, N]
     empty = _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t, s)
     if empty is not None:
@@ -197,7 +192,7 @@ def _as_4d(x, name: str, what: str = "broadcastable to [B, N, T, S]"):
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def _bias_with_mask(bias, mask, dtype, b, n, t, s):
+def bias_with_mask(bias, mask, dtype, b, n, t, s):
     """The additive term fusedattn takes: [1|B, 1|N, T, S]."""
     terms = []
     if bias is not None:

@@ -15,7 +15,7 @@ the partitioner proposes, which mesh axes split the call:
 A sharding the rule cannot honour without moving data gets the cheapest
 correct plan (the partitioner gathers only what the rule must have whole),
 and `Split.notes` says what moved and why; `explain()` prints it. The rule
-knows nothing about any backend: `backends/native_call.py` applies it to the
+knows nothing about any backend: `backends/native_op.py` applies it to the
 cudnn, small_seq and ck calls alike.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .config import AttnConfig
+from .inputs import AttnInputs
 
 # Roles a dimension can have. None: nothing to split (kept whole).
 BATCH, Q_HEADS, KV_HEADS, Q_TOKENS, KV_TOKENS = "b", "h", "k", "s", "t"
@@ -60,7 +61,6 @@ def input_dims(config: AttnConfig, inputs):
 
     ``inputs.rng`` is expected as raw bits (a uint32 vector), as native calls take it.
     """
-    from .backends.base import AttnInputs  # noqa: PLC0415 - base imports this module's users
     ragged = config.sequence == "ragged"
     # Packed qkv (h_q == h_kv) is named by its query heads, as the output is.
     q = _tensor(config, Q_HEADS, Q_TOKENS, packed=config.qkv_packing == "qkv")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import dispatch
-from .backends.base import AttnInputs
+from .inputs import AttnInputs
 from .backends.small_seq import MAX_KV
 from .config import AttnConfig
 from .sequence import SequenceDescriptor
@@ -74,7 +74,7 @@ def fused_attn_small_seq(q: jax.Array, k: jax.Array, v: jax.Array, *,
     plan = dispatch.plan(call.padded_config, backend)
     if plan.chosen == "small_seq":
         return plan.backend.attention(call.config, call.inputs)
-    out = plan.attention(padded_inputs(call))  # UnsupportedError with every reason if none fits
+    out = plan.run(padded_inputs(call))  # UnsupportedError with every reason if none fits
     if call.packed:  # as the kernels do: a malformed range gives NaN, never a silent clamp
         bad = malformed_ranges(call.inputs.sequence.kv_offsets, call.inputs.k.shape[0])
         out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(out.dtype)

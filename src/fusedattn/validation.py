@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .backends.base import AttnInputs
+from .inputs import AttnInputs
 from .config import DTYPES, MASKS, PRECISIONS, SOFTMAX_TYPES, AttnConfig
-from .score_mods import Masked
+from .score_mods import Alibi, Masked
 from .sequence import SequenceDescriptor
 
 # layout argument -> (tensor layout, qkv packing)
@@ -214,7 +214,15 @@ def _check_bias(bias, batch: int, h_q: int, s_q: int, s_kv: int):
 
 def _check_score_mod(score_mod, args, batch: int, h_q: int) -> None:
     """Trace score_mod on abstract tiles shaped as the backends call it (nothing runs), so a
-    function that fails or returns the wrong shape is named here, not deep in a backend."""
+    function that fails or returns the wrong shape or dtype is named here, not deep in a
+    backend (a bool or int result would otherwise be cast to scores of 0 / 1)."""
+    inner = score_mod.score_mod if isinstance(score_mod, Masked) else score_mod
+    if isinstance(inner, Alibi) and inner.num_heads != h_q:
+        raise ValueError(f"score_mods.alibi({inner.num_heads}) on a call with {h_q} query heads: "
+                         f"its slopes are per query head, so num_heads must equal h_q "
+                         f"(score_mods.alibi({h_q}))")
+    if inner is None:
+        return
     i32 = jnp.int32
     score = jax.ShapeDtypeStruct((batch, h_q, 2, 3), jnp.float32)
     indices = [jax.ShapeDtypeStruct(shape, i32) for shape in
@@ -223,7 +231,7 @@ def _check_score_mod(score_mod, args, batch: int, h_q: int) -> None:
              f"shape {score.shape} (batch {indices[0].shape}, head {indices[1].shape}, q_idx "
              f"{indices[2].shape}, kv_idx {indices[3].shape})")
     try:
-        out = jax.eval_shape(score_mod, score, *indices, *args)
+        out = jax.eval_shape(inner, score, *indices, *args)
     except Exception as e:
         raise ValueError(f"{where} failed: {type(e).__name__}: {e}") from e
     shape = getattr(out, "shape", None)
@@ -235,11 +243,21 @@ def _check_score_mod(score_mod, args, batch: int, h_q: int) -> None:
         got = f"shape {shape}" if shape is not None else repr(out)
         raise ValueError(f"{where} returned {got}: score_mod must be elementwise, returning an "
                          f"array shaped like score")
+    dtype = jnp.dtype(out.dtype)
+    if dtype == jnp.bool_:
+        raise TypeError(f"{where} returned booleans: a score_mod returns the new scores (a "
+                        f"floating dtype). To keep or drop pairs, pass the function as "
+                        f"mask_mod=lambda batch, head, q_idx, kv_idx: ... (True: kept)")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{where} returned {dtype.name}: score_mod must return a floating dtype "
+                        f"(the scores); cast with .astype(score.dtype)"
+                        + (" (a complex result has no order to softmax over)"
+                           if jnp.issubdtype(dtype, jnp.complexfloating) else ""))
 
 
 def _check_mask_mod(mask_mod, args, batch: int, h_q: int) -> None:
-    """Traced on abstract indices shaped as the backends call it: a failure or a result
-    that is not boolean is named here."""
+    """Traced on abstract indices shaped as the backends call it: a failure, a result
+    that is not boolean or not shaped like the score is named here."""
     i32 = jnp.int32
     indices = [jax.ShapeDtypeStruct(shape, i32) for shape in
                ((batch, 1, 1, 1), (1, h_q, 1, 1), (batch, 1, 2, 1), (batch, 1, 1, 3))]
@@ -249,8 +267,21 @@ def _check_mask_mod(mask_mod, args, batch: int, h_q: int) -> None:
         raise ValueError(f"mask_mod(batch, head, q_idx, kv_idx, *score_mod_args) failed: "
                          f"{type(e).__name__}: {e}") from e
     if getattr(out, "dtype", None) != jnp.bool_:
-        raise ValueError(f"mask_mod must return booleans (True: the pair is kept), got "
-                         f"{getattr(out, 'dtype', type(out).__name__)}")
+        got = getattr(out, "dtype", type(out).__name__)
+        hint = (" (a float result reads as a score_mod: pass it as score_mod)"
+                if getattr(out, "dtype", None) is not None
+                and jnp.issubdtype(out.dtype, jnp.floating) else "")
+        raise TypeError(f"mask_mod must return booleans (True: the pair is kept), got {got}"
+                        f"{hint}")
+    full = (batch, h_q, 2, 3)
+    try:
+        ok = np.broadcast_shapes(out.shape, full) == full
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"mask_mod(batch, head, q_idx, kv_idx) on indices of shapes "
+                         f"{[i.shape for i in indices]} returned shape {out.shape}: it must be "
+                         f"elementwise, broadcasting to [b, h, s_q, s_kv] = {list(full)}")
 
 
 def _check_precision(precision, dtype: str) -> str:

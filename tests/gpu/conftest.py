@@ -28,7 +28,7 @@ def pytest_configure(config):
 def gpu_skip_reason() -> Optional[str]:
     """None when tests can use the GPU, else why they cannot."""
     try:
-        from fusedattn.backends import native
+        from fusedattn.backends import extension as native
         platform = native.gpu_platform()
     except Exception as e:  # jax missing or broken: say so rather than erroring
         return f"cannot query the platform: {type(e).__name__}: {e}"

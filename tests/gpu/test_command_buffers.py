@@ -54,7 +54,7 @@ CHILD = textwrap.dedent(r"""
     flat = lambda t: [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(t)]
     rel = max(float(np.linalg.norm(a - b) / np.linalg.norm(b)) for a, b in zip(flat(runs[-1]), flat(ref)))
     same = all(np.array_equal(a, b) for r in runs[1:] for a, b in zip(flat(r), flat(runs[0])))
-    from fusedattn.backends import native
+    from fusedattn.backends import extension as native
     counts = {name: c for name, c in native.handler_counts().items() if name.startswith("fusedattn_")}
     print(json.dumps({"target_in_hlo": target in hlo, "handler_counts": counts,
                       "rel_err_vs_xla": rel, "replays_identical": same}))

@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import attn_cases as ac
+from support import attn_cases as ac
 import fusedattn
 from fusedattn import dispatch, score_mods
-from fusedattn.backends import cudnn, native
+from fusedattn.backends import cudnn
+from fusedattn.backends import extension as native
 from fusedattn.config import AttnConfig
 from fusedattn.sequence import SequenceDescriptor
 from fusedattn.validation import build_call

@@ -14,10 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import attn_cases as ac
+from support import attn_cases as ac
 import fusedattn
-from fusedattn import backend_choice, dispatch
-from fusedattn.backends import flash, native_call
+from fusedattn import dispatch
+from fusedattn.dispatch import measure as backend_choice
+from fusedattn.backends import flash
+from fusedattn.backends import native_op as native_call
 from fusedattn.validation import build_call
 
 pytestmark = pytest.mark.gpu
@@ -99,7 +101,7 @@ def test_a_plan_can_run_cudnn_for_inference_and_flash_for_training():
     plan = dataclasses.replace(dispatch.plan(config, "cudnn"), rivals=Fixed())
 
     def run(q, k, v):
-        return plan.attention(inputs._replace(q=q, k=k, v=v))
+        return plan.run(inputs._replace(q=q, k=k, v=v))
     fwd_text = jax.jit(run).lower(built.q, built.k, built.v).as_text()
     assert "fusedattn_cudnn_fwd" in fwd_text and "flash_mha" not in fwd_text
     step_text = jax.jit(lambda *a: jax.vjp(run, *a)[1](built.d_out)).lower(

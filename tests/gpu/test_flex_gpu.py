@@ -10,17 +10,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ helpers
-import attn_cases as ac  # noqa: E402
-import flex_cases as fc  # noqa: E402
+from support import attn_cases as ac  # noqa: E402
+from support import flex_cases as fc  # noqa: E402
 import fusedattn  # noqa: E402
-from fusedattn import causal_chunks, score_mods  # noqa: E402
+from fusedattn import score_mods  # noqa: E402
+from fusedattn.backends.cudnn import causal_chunks  # noqa: E402
 from fusedattn.validation import build_call  # noqa: E402
 from fusedattn.backends import cudnn  # noqa: E402
 
@@ -98,8 +97,8 @@ def test_mask_mods_in_block_chunks_match_the_oracle(name, monkeypatch):
         assert "mask_mod in 4 query chunks of 64 rows" in str(plan), str(plan)
 
 
-def _check_against_the_oracle(name, variant, change):
-    case = _case(name, **change)
+def _check_against_the_oracle(name, variant, change, case=None, expect_bug=False):
+    case = case or _case(name, **change)
     built = ac.build(case)
     uq, uk, uv = built.q, built.k, built.v
     plan = fusedattn.explain(uq, uk, uv, **built.options())
@@ -117,6 +116,8 @@ def _check_against_the_oracle(name, variant, change):
     errors.update({f"d_arg{i}": ac.rel_error(g, r) for i, (g, r) in
                    enumerate(zip(d_args, ref.d_score_mod_args))})
     print(name, variant, {k: round(v, 4) for k, v in errors.items()})
+    if expect_bug and not max(errors.values()) < tol:
+        pytest.xfail(f"{name} {variant}: the old form reproduces issue 28's bug: {errors}")
     assert all(np.isfinite(list(errors.values()))), errors
     assert max(errors.values()) < tol, errors
     q_pad = ac.padded_query_mask(built)
@@ -135,7 +136,7 @@ def test_cudnn_still_misreads_per_batch_score_mod_tensors(monkeypatch):
     refusal lifted, cuDNN's result is far from the oracle. When a cuDNN release fixes
     it, this test fails: lift the refusal for that version."""
     from fusedattn import dispatch
-    from fusedattn.backends import cudnn_flex
+    from fusedattn.backends.cudnn import flex as cudnn_flex
     monkeypatch.setattr(cudnn_flex, "PER_BATCH_INPUTS_OK", True)
     dispatch.clear_cache()
     try:
@@ -164,3 +165,42 @@ def test_inexpressible_mods_fall_back_with_the_reason(name):
     built = ac.build(_case(name))
     plan = fusedattn.explain(built.q, built.k, built.v, **built.options())
     assert plan.chosen == "xla" and fc.MODS[name][3] in dict(plan.reasons)["cudnn"]
+
+
+# Issue 28: ``sin(cos(s)) + 0.5 * cos(s)`` ran on cuDNN with dV 394x off (forward, dQ, dK
+# right). Its class: every bprop that reads the forward's values, the score itself or
+# positions. Each runs in every form `flex_lowering.ENV_SCORE_READ` offers; "dangling"
+# is the old one, expected to reproduce the bug (xfail when it does, a pass says it was
+# not the cause). One run decides the form:
+#   pytest -q -s tests/gpu/test_flex_gpu.py -k bprop_reads
+BPROP_READS = {
+    "sin_cos": lambda s, b, h, q, k: jnp.sin(jnp.cos(s)) + jnp.cos(s) * 0.5,
+    "sin": lambda s, b, h, q, k: jnp.sin(s),
+    "square": lambda s, b, h, q, k: 0.5 * s * s,
+    "exp_plus_score": lambda s, b, h, q, k: jnp.exp(0.1 * s) + s,
+    "score_times_tanh": lambda s, b, h, q, k: s * jnp.tanh(s),
+    "cos_shared": lambda s, b, h, q, k: jnp.cos(s) * jnp.cos(s) + s,
+    "index_scale": lambda s, b, h, q, k: s * (1.0 + 0.01 * (q - k)),
+    "log1p_abs": lambda s, b, h, q, k: s + 0.5 * jnp.log1p(jnp.abs(s)),
+    "sigmoid_gate": lambda s, b, h, q, k: s * jax.nn.sigmoid(s),
+}
+
+
+@pytest.mark.parametrize("variant", ["alone", "causal"])
+@pytest.mark.parametrize("name", sorted(BPROP_READS))
+@pytest.mark.parametrize("mode", ["chain", "raw", "dangling"])
+def test_bprop_reads_match_the_oracle(mode, name, variant, monkeypatch):
+    from fusedattn import dispatch, flex_lowering
+    from fusedattn.backends import cudnn_flex
+    monkeypatch.setenv(flex_lowering.ENV_SCORE_READ, mode)
+    cudnn_flex.lowered.cache_clear()
+    dispatch.clear_cache()
+    try:
+        case = ac.Case(b=2, s_q=512, s_kv=512, h_q=4, h_kv=4, d_qk=64, d_v=64,
+                       dtype="bfloat16", score_mod=BPROP_READS[name],
+                       mask="causal" if variant == "causal" else "none")
+        _check_against_the_oracle(name, f"{variant} {mode}", {}, case=case,
+                                  expect_bug=mode == "dangling")
+    finally:
+        cudnn_flex.lowered.cache_clear()
+        dispatch.clear_cache()

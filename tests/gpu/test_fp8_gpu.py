@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import fp8_cases as fc
+from support import fp8_cases as fc
 import fusedattn
 from fusedattn import fp8
-from fusedattn.backends import cudnn_fp8
+from fusedattn.backends.cudnn import fp8 as cudnn_fp8
 
 pytestmark = pytest.mark.gpu
 

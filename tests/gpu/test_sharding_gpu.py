@@ -25,12 +25,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ helpers
-import sharding_cases as sc  # noqa: E402
+from support import sharding_cases as sc  # noqa: E402
 import fusedattn  # noqa: E402
 from fusedattn import ContextParallel, SequenceDescriptor  # noqa: E402
-from fusedattn.backends import native_call  # noqa: E402
-from fusedattn.backends.base import AttnInputs  # noqa: E402
+from fusedattn.backends import native_op as native_call  # noqa: E402
+from fusedattn.inputs import AttnInputs  # noqa: E402
 from fusedattn.validation import build_call  # noqa: E402
 
 pytestmark = pytest.mark.gpu

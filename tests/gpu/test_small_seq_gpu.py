@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import os
 import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/ helpers
-import small_seq_reference as ref  # noqa: E402
+from support import small_seq_reference as ref  # noqa: E402
 from fusedattn import dispatch  # noqa: E402
 from fusedattn.backends import small_seq  # noqa: E402
 from fusedattn.sequence import SequenceDescriptor  # noqa: E402

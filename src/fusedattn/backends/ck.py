@@ -2,7 +2,7 @@
 
 Forward and backward are XLA FFI calls into `fusedattn._rocm` (csrc/rocm/
 ck_fmha_{fwd,bwd}.cpp) on platform ROCM, exposed as the per-device `forward` /
-`backward` that `native_call` differentiates and partitions. The kernel
+`backward` that `native_op` differentiates and partitions. The kernel
 instances are the ones CK's own generator emits for the configurations below
 (cmake/fusedattn_rocm.cmake); `supports` states exactly those limits.
 
@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import AttnConfig
-from . import native, native_call
-from .base import AttnInputs, pack_like_inputs, unpack_qkv
-from .xla_masks import token_info
+from . import extension, native_op
+from ..inputs import AttnInputs, pack_like_inputs, unpack_qkv
+from .xla.masks import token_info
 
 TARGET_FWD = "fusedattn_ck_fwd"
 TARGET_BWD = "fusedattn_ck_bwd"
@@ -83,7 +83,7 @@ def config_reason(config: AttnConfig) -> Optional[str]:
 
 def extension_reason() -> Optional[str]:
     """Why the CK FFI targets are unavailable (None: registered with JAX for ROCM)."""
-    return native.ensure_targets((TARGET_FWD, TARGET_BWD), "rocm")
+    return extension.ensure_targets((TARGET_FWD, TARGET_BWD), "rocm")
 
 
 def supports(config: AttnConfig) -> Optional[str]:
@@ -242,7 +242,7 @@ def _sum_groups(x, h_kv: int):
 
 def _dropout_words(config: AttnConfig, bits) -> jax.Array:
     """Seed and offset for CK's philox stream, two uint64 as uint32[4]: the raw bits
-    native_call draws from the key."""
+    native_op draws from the key."""
     if not config.has_dropout:
         return jnp.zeros((0,), jnp.uint32)
     return bits
@@ -262,7 +262,7 @@ class _Prepared(NamedTuple):
 
 def _prepare(config: AttnConfig, inputs: AttnInputs) -> _Prepared:
     """What the kernels read: tensors in CK's view, attributes, masks of real tokens."""
-    if native.gpu_platform() == "rocm":
+    if extension.gpu_platform() == "rocm":
         extension_reason()  # registers the FFI targets; lowering elsewhere needs none
     q, k, v = unpack_qkv(config, inputs)
     grouped = config.is_packed
@@ -303,7 +303,7 @@ def _lse_from_contract(p: _Prepared, lse):
     return jnp.swapaxes(lse, 0, 1).reshape(lse.shape[1], -1)
 
 
-# ---- the per-device kernels (native_call partitions and differentiates them) ---------------
+# ---- the per-device kernels (native_op partitions and differentiates them) ---------------
 def forward(config: AttnConfig, inputs: AttnInputs, training: bool = True):
     """(out, fp32 lse [b, h_q, s_q] when training); padded positions exactly 0."""
     p = _prepare(config, inputs)
@@ -338,7 +338,7 @@ def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInp
 
 def attention(config: AttnConfig, inputs: AttnInputs) -> jax.Array:
     """The output, differentiable and partitioned over batch and head splits."""
-    return native_call.attention("ck", config, inputs)[0]
+    return native_op.attention("ck", config, inputs)[0]
 
 
 class _CkBackend:
@@ -360,3 +360,6 @@ class _CkBackend:
 
 
 BACKEND = _CkBackend()
+
+
+native_op.register("ck", native_op.Kernels(forward, backward))

@@ -2,15 +2,14 @@
 package, ``pip install fusedattn[flash]``) for the configs they compute exactly as
 fusedattn's contract says.
 
-Why it exists: on H100 at head dim 128, FA3 is 11-18% faster than the plans
-cuDNN's heuristics pick with a causal mask (forward and backward) and in the
-backward without one, while cuDNN leads at head dim 64 and FA3 stops at 128
-(benchmarks/results/SUMMARY.md). With
-``backend="auto"`` dispatch runs it only where cudnn runs the same config too and
-a measurement on this GPU says it is faster (`fusedattn.backend_choice`);
+Why it exists: at head dim 128 FA3 can be faster than the plans cuDNN's heuristics
+pick, at other shapes cuDNN leads, and FA3 stops at head dim 128
+(benchmarks/results/SUMMARY.md). With ``backend="auto"`` dispatch runs it only where
+cudnn runs the same config too and a measurement on this GPU says it is faster
+(`fusedattn.dispatch.measure`);
 ``backend="flash"`` forces it.
 
-It exposes the per-device `forward` / `backward` that `native_call` wraps, so it
+It exposes the per-device `forward` / `backward` that `native_op` wraps, so it
 partitions over batch and heads by fusedattn's one rule, not by the package's own
 (which wants q, k and v sharded alike). We bind the package's un-partitioned
 forward primitive (`flash_attn3_jax.flash_hlo`), the one its own partitioning
@@ -40,8 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from ..config import AttnConfig
-from . import native_call
-from .base import AttnInputs
+from . import native_op
+from ..inputs import AttnInputs
 
 DTYPES = ("bfloat16", "float16")
 MAX_HEAD_DIM = 128
@@ -148,7 +147,7 @@ def _mask_args(config: AttnConfig):
                 window_size=(-1, -1) if is_causal else (left, right))
 
 
-class _FlashBackend(native_call.NativeBackend):
+class _FlashBackend(native_op.NativeBackend):
     name = "flash"
     platforms = ("cuda",)
 
@@ -159,7 +158,7 @@ class _FlashBackend(native_call.NativeBackend):
 BACKEND = _FlashBackend()
 
 
-# ---- the per-device kernels (native_call partitions and differentiates them) ------------
+# ---- the per-device kernels (native_op partitions and differentiates them) ------------
 def forward(config: AttnConfig, inputs: AttnInputs, training: bool):
     """(out, fp32 lse [b, h_q, s_q] when training)."""
     out, lse = _forward_kernel()(inputs.q, inputs.k, inputs.v, **_mask_args(config))
@@ -171,3 +170,6 @@ def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInp
     d_q, d_k, d_v = _backward_call(config, d_out.astype(out.dtype), inputs.q, inputs.k,
                                    inputs.v, out, lse)
     return AttnInputs(q=d_q, k=d_k, v=d_v)
+
+
+native_op.register("flash", native_op.Kernels(forward, backward))

@@ -2,7 +2,7 @@
 
 Fused CUDA/HIP kernels (csrc/common/small_seq_kernels.cuh) behind two XLA FFI
 targets, ``fusedattn_small_seq_fwd`` and ``fusedattn_small_seq_bwd``, exposed as
-the per-device `forward` / `backward` that `native_call` differentiates and
+the per-device `forward` / `backward` that `native_op` differentiates and
 partitions (tokens split over devices with no collective; packed keys are read
 whole and their gradients summed). The forward saves fp32 log-sum-exp
 ``[n, h_q, 1]``; the backward recomputes the probabilities from it.
@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import AttnConfig
-from . import native_call
-from .base import AttnInputs
+from . import extension, native_op
+from ..inputs import AttnInputs
 
 HEAD_DIMS = (64, 128, 256, 512)
 DTYPES = ("bfloat16", "float16")
@@ -60,11 +60,10 @@ def config_reason(config: AttnConfig) -> Optional[str]:
 
 def _native_reason() -> Optional[str]:
     """None when the extension is loaded and both FFI targets are registered."""
-    from . import native
-    return native.ensure_targets(TARGETS)
+    return extension.ensure_targets(TARGETS)
 
 
-class _SmallSeqBackend(native_call.NativeBackend):
+class _SmallSeqBackend(native_op.NativeBackend):
     name = "small_seq"
     platforms = ("cuda", "rocm")
 
@@ -89,7 +88,7 @@ def _max_kv(config: AttnConfig) -> np.int32:
     return np.int32(MAX_KV if config.sequence == "ragged" else config.s_kv)
 
 
-# ---- the per-device kernels (native_call partitions and differentiates them) ---------------
+# ---- the per-device kernels (native_op partitions and differentiates them) ---------------
 def forward(config: AttnConfig, inputs: AttnInputs, training: bool = True):
     """(out, fp32 lse [n, h_q, 1]); the kernel always writes the LSE."""
     _native_reason()  # registers the FFI targets where the extension is loaded
@@ -122,3 +121,6 @@ def forward_with_lse(config: AttnConfig, inputs: AttnInputs):
 
 
 BACKEND = _SmallSeqBackend()
+
+
+native_op.register("small_seq", native_op.Kernels(forward, backward))

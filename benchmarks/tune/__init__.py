@@ -1,0 +1,1 @@
+"""Scripts behind settings that still exist and questions still open (README.md)."""

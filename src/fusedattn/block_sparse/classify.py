@@ -1,0 +1,139 @@
+"""Block kinds (empty / partial / full) of an `ElementMask`, on the host or the device.
+
+Static masks are classified with numpy at trace time (the mask_mod runs eagerly on
+the host CPU backend, never on an accelerator, and nothing enters the traced
+program). Others run on the device, a group of query blocks at a time
+(`lax.map`), so the largest intermediate is a few query blocks by all keys,
+never the whole ``s_q x s_kv`` grid. Two shapes skip the element-wise work:
+per-row key intervals (the built-in masks) need O(s_q x key blocks), and a
+dense mask is reduced as it is (it is already ``s_q x s_kv``).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .block_map import EMPTY, FULL, PARTIAL
+from .terms import Dense, ElementMask, Intervals
+
+# Booleans per step of the block loop (host chunks and device lax.map batches).
+CHUNK_ELEMENTS = 1 << 24
+# Element-wise evaluation on the host beyond this many pairs (about 1 s at 16k x 16k)
+# is slower than a trace should be: such static masks are classified on the device.
+MAX_HOST_ELEMENTS = 1 << 28
+
+
+def on_host(element: ElementMask) -> bool:
+    """Whether `element`'s map is computed on the host (static and cheap enough)."""
+    if not element.static:
+        return False
+    if len(element.terms) == 1 and isinstance(element.terms[0], (Dense, Intervals)):
+        return True  # no element-wise evaluation (a dense mask is already on the host)
+    return element.batch * element.heads * element.s_q * element.s_kv <= MAX_HOST_ELEMENTS
+
+
+def classify(element: ElementMask, block: Tuple[int, int], host: bool):
+    """``[B|1, H|1, n_q, n_kv]`` int32 kinds; numpy when `host`."""
+    terms = element.terms
+    if len(terms) == 1 and isinstance(terms[0], Dense):
+        return _dense(terms[0].mask, element, block, np if host else jnp)
+    if len(terms) == 1 and isinstance(terms[0], Intervals):
+        fn = _interval_fn(terms[0], element, block, np if host else jnp)
+    else:
+        fn = _element_fn(element, block, host)
+    n_q = -(-element.s_q // block[0])
+    n_kv = -(-element.s_kv // block[1])
+    per_block = element.batch * element.heads * block[0] * n_kv * block[1]
+    any_, all_ = _over_q_blocks(fn, n_q, block[0], per_block, host)
+    xp = np if host else jnp
+    return xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY)).astype(np.int32)
+
+
+@contextlib.contextmanager
+def host_eval():
+    """Run jax code eagerly on the host CPU backend, as at trace time: a static map
+    costs no accelerator work, whatever the default device or transfer guard."""
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]), \
+            jax.transfer_guard("allow"):
+        yield
+
+
+def _over_q_blocks(fn: Callable, n_q: int, bq: int, per_block: int, host: bool):
+    """Stack ``fn(rows) -> (any, all) [B, H, m, n_kv]`` over all query blocks, a
+    group of blocks (their `rows`) at a time."""
+    group = max(1, min(n_q, CHUNK_ELEMENTS // max(per_block, 1)))
+    if host:
+        parts = [fn(np.arange(i * bq, min(i + group, n_q) * bq, dtype=np.int32))
+                 for i in range(0, n_q, group)]
+        return tuple(np.concatenate([p[k] for p in parts], axis=2) for k in (0, 1))
+
+    def one(i):
+        a, b = fn(i * bq + jnp.arange(bq, dtype=jnp.int32))
+        return a[:, :, 0], b[:, :, 0]
+    any_, all_ = jax.lax.map(one, jnp.arange(n_q, dtype=jnp.int32), batch_size=group)
+    return jnp.moveaxis(any_, 0, 2), jnp.moveaxis(all_, 0, 2)
+
+
+def _element_fn(element: ElementMask, block, host: bool):
+    """Evaluate the element mask on rows x all keys, reduce to blocks."""
+    bq, bk = block
+    B, H = element.batch, element.heads
+    n_kv = -(-element.s_kv // bk)
+    xp = np if host else jnp
+    b = xp.arange(B, dtype=np.int32).reshape(B, 1, 1, 1)
+    h = xp.arange(H, dtype=np.int32).reshape(1, H, 1, 1)
+    kv = xp.arange(n_kv * bk, dtype=np.int32).reshape(1, 1, 1, -1)
+
+    if host:
+        element = element.for_host()
+
+    def fn(rows):
+        q = rows.reshape(1, 1, -1, 1)
+        if host:
+            with host_eval():
+                vis = np.asarray(element(b, h, q, kv))
+        else:
+            vis = element(b, h, q, kv)
+        vis = xp.broadcast_to(vis, (B, H, rows.shape[0], n_kv * bk))
+        vis = vis.reshape(B, H, -1, bq, n_kv, bk)
+        return vis.any(axis=(3, 5)), vis.all(axis=(3, 5))
+    return fn
+
+
+def _interval_fn(term: Intervals, element: ElementMask, block, xp):
+    """Rows see ``[lo, hi]``: a key block is touched by a row when the intervals
+    meet and covered when it lies inside (and does not overhang s_kv)."""
+    bq, bk = block
+    s_q, s_kv = element.s_q, element.s_kv
+    n_kv = -(-s_kv // bk)
+    start = xp.arange(n_kv, dtype=np.int32) * bk
+    end = start + bk - 1                       # the block's last key, overhang included
+    last = xp.minimum(end, s_kv - 1)           # its last real key
+    lo, hi = xp.asarray(term.lo), xp.asarray(term.hi)
+
+    def fn(rows):
+        real = rows < s_q
+        r = xp.minimum(rows, s_q - 1)
+        lo_r = xp.where(real, xp.take(lo, r, axis=1), 1)[:, :, None]   # [B, R, 1]
+        hi_r = xp.where(real, xp.take(hi, r, axis=1), 0)[:, :, None]
+        touched = (lo_r <= hi_r) & (lo_r <= last) & (hi_r >= start)
+        covered = (lo_r <= start) & (hi_r >= end) & (end < s_kv)
+        shape = (lo.shape[0], 1, -1, bq, n_kv)
+        return touched.reshape(shape).any(axis=3), covered.reshape(shape).all(axis=3)
+    return fn
+
+
+def _dense(mask, element: ElementMask, block, xp):
+    """Reduce a ``[B|1, H|1, s_q, s_kv]`` mask tile by tile (overhang is not visible)."""
+    bq, bk = block
+    B, H, s_q, s_kv = mask.shape
+    n_q, n_kv = -(-s_q // bq), -(-s_kv // bk)
+    m = xp.asarray(mask).astype(bool)
+    m = xp.pad(m, ((0, 0), (0, 0), (0, n_q * bq - s_q), (0, n_kv * bk - s_kv)))
+    m = m.reshape(B, H, n_q, bq, n_kv, bk)
+    any_, all_ = m.any(axis=(3, 5)), m.all(axis=(3, 5))
+    return xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY)).astype(np.int32)

@@ -1,0 +1,56 @@
+"""Which of its inputs a mask_mod's result depends on, read from its jaxpr.
+
+A mask_mod whose result depends on the positions alone is the same for every
+batch row and head and reads no array, so its block map is static (computed on
+the host at trace time). One that depends on the batch or the head index gets a
+map with that axis; one that depends on an argument array needs the device.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+class Reads(NamedTuple):
+    batch: bool
+    head: bool
+    args: bool
+
+    @property
+    def positions_only(self) -> bool:
+        return not (self.batch or self.head or self.args)
+
+
+def index_specs(batch: int, heads: int, s_q: int, s_kv: int):
+    """Abstract (batch, head, q_idx, kv_idx) shaped as the map builders call them."""
+    i32 = jnp.int32
+    return [jax.ShapeDtypeStruct(s, i32) for s in
+            ((batch, 1, 1, 1), (1, heads, 1, 1), (1, 1, s_q, 1), (1, 1, 1, s_kv))]
+
+
+def mask_mod_reads(mask_mod, args: Sequence, batch: int, heads: int, s_q: int,
+                   s_kv: int) -> Reads:
+    """Whether `mask_mod`'s output depends on batch, head or any of `args`.
+
+    Taint flows forward through every equation (an equation with a tainted input
+    taints all its outputs, sub-jaxprs included as black boxes), so the answer
+    is conservative: it may say "depends" for a value that cancels out, never
+    the reverse.
+    """
+    specs = index_specs(batch, heads, s_q, s_kv)
+    arg_specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
+    closed = jax.make_jaxpr(mask_mod)(*specs, *arg_specs)
+    jaxpr = closed.jaxpr
+    return Reads(*(_depends(jaxpr, group) for group in (
+        [jaxpr.invars[0]], [jaxpr.invars[1]], jaxpr.invars[4:])))
+
+
+def _depends(jaxpr, sources) -> bool:
+    tainted = {id(v) for v in sources}
+    for eqn in jaxpr.eqns:
+        # (literals are fresh objects, never tainted)
+        if any(id(v) in tainted for v in eqn.invars):
+            tainted.update(id(v) for v in eqn.outvars)
+    return any(id(v) in tainted for v in jaxpr.outvars)

@@ -1,0 +1,241 @@
+"""The Plan: platform + AttnConfig -> the backend that runs, why not the others, and the
+strategy that runs the call (plain, measured rivals, FP8 current scaling, context
+parallelism). `Plan.run` executes every call of `fused_attn` and the drop-ins, and
+`explain()` prints the same plan.
+
+Backends are listed in `registry` (each exposes the `backends.protocol.Backend`
+interface); the preference order per platform is `PREFERENCE` below.
+
+Where backends of a rival group (`measure.RIVALS`: cudnn and flash on CUDA)
+can both run a config, `auto` picks by a measurement on this GPU, separately for
+calls without a gradient and for training steps, each when a call first needs it
+(`MeasuredRivals`); the plan shows the timings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from typing import Dict, List, Optional, Tuple
+
+from .. import context_parallel as cp_module
+from ..backends import fp8_op, native_op, xla
+from ..config import AttnConfig
+from ..vendor import current_platform
+from . import measure
+from .registry import ALL_BACKENDS, load_backend
+
+log = logging.getLogger("fusedattn")
+
+# Preference order per platform: the first backend that supports a config runs it.
+PREFERENCE: Dict[str, Tuple[str, ...]] = {
+    "cuda": ("small_seq", "cudnn", "flash", "xla"),
+    "rocm": ("small_seq", "ck", "xla"),
+    "cpu": ("xla",),
+}
+
+ENV_BACKEND = "FUSEDATTN_BACKEND"
+
+
+class UnsupportedError(ValueError):
+    """The requested backend cannot serve this config; the message lists every reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredRivals:
+    """Rival backends that all run `config`. Each step (`measure.STEPS`) runs the
+    one a measurement on this GPU found fastest, measured the first time a call needs
+    that step: `native_op` asks at trace time, so a training job never times
+    forward-only calls it does not make. Hashable: it rides in custom_vjp's static
+    arguments."""
+    config: AttnConfig
+    platform: str
+    candidates: Tuple[str, ...]
+
+    def choice(self, step: str) -> measure.Choice:
+        return measure.choose(self.config, self.platform, self.candidates, step,
+                               identity=measure.machine_identity())
+
+    def for_step(self, step: str) -> str:
+        return self.choice(step).backend
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What dispatch decided: the chosen backend and, for every backend, why (not)."""
+    config: AttnConfig
+    platform: str
+    requested: str
+    # The forced backend, or the first usable one (None: no backend can run the config).
+    preferred: Optional[str]
+    reasons: Tuple[Tuple[str, Optional[str]], ...]  # (backend, None if usable else reason)
+    # The distributed plan (context parallelism, or the batch / head split of sharded
+    # inputs given to explain()), as lines of text; "" for a single-device call.
+    distributed: str = ""
+    # Rival backends chosen between per step by measurement (`measure`), or
+    # None; `measure_note`: why no measurement decides, where one could have.
+    rivals: Optional[MeasuredRivals] = None
+    measure_note: str = ""
+    context_parallel: Optional[object] = None  # a ContextParallel, run by its strategy
+
+    @property
+    def chosen(self) -> Optional[str]:
+        """The backend that runs; between measured rivals, the one that trains (asking
+        measures the training step if no call has yet)."""
+        return self.rivals.for_step("training") if self.rivals else self.preferred
+
+    @property
+    def backend(self):
+        """The chosen backend object (raises UnsupportedError with every reason)."""
+        return load_backend(self.require())
+
+    def require(self) -> str:
+        """The chosen backend's name; UnsupportedError with every reason when none."""
+        if self.chosen is None:
+            raise UnsupportedError(self.error_message())
+        return self.chosen
+
+    @property
+    def strategy(self) -> str:
+        """How `run` executes: "context_parallel", "fp8" (current scaling), "measured"
+        (rivals chosen per step) or "plain"."""
+        if self.context_parallel is not None:
+            return "context_parallel"
+        if self.config.is_fp8:
+            return "fp8"
+        return "measured" if self.rivals is not None else "plain"
+
+    def run(self, inputs):
+        """Run the call this plan describes on `inputs` (an `AttnInputs`)."""
+        name = self.require()
+        strategy = self.strategy
+        if strategy == "context_parallel":
+            return cp_module.attention(self.config, inputs, self.context_parallel, name)
+        if strategy == "fp8":
+            return fp8_op.current_scaling_attention(self.config, inputs, name)
+        if strategy == "measured":
+            return native_op.attention(self.rivals, self.config, inputs)[0]
+        return load_backend(name).attention(self.config, inputs)
+
+    def run_with_lse(self, inputs):
+        """(out, lse fp32 [b, h_q, s_q], no gradient through lse) of a plain or measured
+        plan (the jax.nn drop-in's return_residual)."""
+        name = self.require()
+        if self.strategy not in ("plain", "measured"):
+            raise UnsupportedError(f"the log-sum-exp is returned by plain calls, not {self.strategy}")
+        if name == "xla":
+            return xla.attention_with_lse(self.config, inputs)
+        return native_op.attention(self.rivals or name, self.config, inputs, need_lse=True)
+
+    def _runs(self) -> List[str]:
+        """The backends this plan runs: the chosen one, or each step's between rivals."""
+        if self.rivals is not None:
+            return list(dict.fromkeys(self.rivals.for_step(s) for s in measure.STEPS))
+        return [self.chosen] if self.chosen else []
+
+    def _details(self, name: str) -> str:
+        """What a backend says of how it runs this config (e.g. cuDNN's plans), if anything."""
+        details = getattr(load_backend(name), "details", None)
+        return details(self.config) if details is not None else ""
+
+    def error_message(self) -> str:
+        return (f"backend {self.requested!r} cannot run this attention "
+                f"({self.config.short()}) on platform {self.platform}:\n{self.table()}")
+
+    def table(self) -> str:
+        width = max(len(name) for name, _ in self.reasons)
+        rows = []
+        for name, reason in self.reasons:
+            mark = ">>" if name == self.chosen else "  "
+            status = "chosen" if name == self.chosen else ("usable" if reason is None else reason)
+            rows.append(f"{mark} {name:<{width}}  {status}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        head = f"fusedattn plan on {self.platform} for {self.config.short()}"
+        lines = [head, self.table()]
+        if self.rivals is not None:
+            lines += ["measured: " + self.rivals.choice(s).describe()
+                      for s in measure.STEPS]
+        if self.measure_note:
+            lines.append(self.measure_note)
+        lines += filter(None, (self._details(name) for name in self._runs()))
+        if self.distributed:
+            lines.append(self.distributed)
+        return "\n".join(lines)
+
+
+def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[str]:
+    backend = load_backend(name)
+    if platform not in backend.platforms:
+        return f"runs on {'/'.join(backend.platforms)}, not {platform}"
+    if config.is_fp8 and not getattr(backend, "fp8", False):
+        return getattr(backend, "fp8_reason", "has no FP8 kernels") + (
+            " (precision='fp8' runs on cudnn, or emulated by xla)")
+    try:
+        why = backend.supports(config)
+        if why is None and cp is not None:
+            why = cp_module.plan_reason(config, cp, backend)
+            why = None if why is None else f"context parallel: {why}"
+        return why
+    except Exception as e:  # a probe that crashed is a reason, never a crash
+        return f"support check failed: {type(e).__name__}: {e}"
+
+
+# Plans are cached per (config, platform, request): a re-trace of a known config
+# costs a dict lookup, and the decision is logged once.
+_plans: Dict[tuple, Plan] = {}
+_plans_lock = threading.Lock()
+
+
+def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = None,
+         context_parallel=None) -> Plan:
+    """Ask every backend about `config`; pick the first usable one (or the forced one).
+    With `context_parallel` (a `ContextParallel`), a backend must also run every block
+    of that split."""
+    platform = platform or current_platform()
+    requested = backend
+    if requested == "auto":
+        requested = os.environ.get(ENV_BACKEND, "auto") or "auto"
+    if requested != "auto" and requested not in ALL_BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {ALL_BACKENDS}, got {requested!r}")
+    key = (config, platform, requested, context_parallel)
+    with _plans_lock:
+        cached = _plans.get(key)
+    if cached is not None:
+        return cached
+    preferred = PREFERENCE.get(platform, ("xla",))
+    order: List[str] = list(preferred) + [n for n in ALL_BACKENDS if n not in preferred]
+    reasons = tuple((name, _reason(name, config, platform, context_parallel)) for name in order)
+    rivals, measure_note = None, ""
+    if requested == "auto":
+        chosen = next((n for n, r in reasons if r is None), None)
+        candidates = measure.rivals(platform, [n for n, r in reasons if r is None])
+        if candidates and context_parallel is None:
+            if measure.enabled():
+                rivals = MeasuredRivals(config, platform, candidates)
+            else:
+                measure_note = (f"{' and '.join(candidates)} both run this config; not "
+                                f"measured ({measure.ENV_MEASURE}=0): preference "
+                                f"order decides")
+    else:
+        chosen = requested if dict(reasons)[requested] is None else None
+    distributed = ""
+    if context_parallel is not None:
+        distributed = cp_module.describe(config, context_parallel)
+    result = Plan(config, platform, requested, chosen, reasons, distributed, rivals,
+                  measure_note, context_parallel)
+    with _plans_lock:
+        if key not in _plans:
+            log.info("fusedattn: %s on %s -> %s", config.short(), platform,
+                     f"measured per step among {rivals.candidates}" if rivals
+                     else chosen or "no backend")
+        _plans[key] = result
+    return result
+
+
+def clear_cache() -> None:
+    """Forget cached plans (tests that change the environment use this)."""
+    with _plans_lock:
+        _plans.clear()

@@ -1,0 +1,58 @@
+"""The arrays one call carries (`AttnInputs`) and the layout helpers every backend uses.
+Backends read only the `AttnConfig` and these arrays, never user arguments."""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from .config import AttnConfig
+from .sequence import SequenceDescriptor
+
+
+class AttnInputs(NamedTuple):
+    """Arrays of one call, as the user laid them out (layout / packing in the config).
+
+    With ``qkv_packing == "qkv"``, ``q`` is the packed ``[.., 3, h, d]`` tensor and
+    ``k``/``v`` are None; with ``"kv"``, ``k`` is the packed ``[.., 2, h, d]`` tensor
+    and ``v`` is None. `unpack_qkv` gives separate tensors.
+    """
+    q: jax.Array
+    k: Optional[jax.Array]
+    v: Optional[jax.Array]
+    bias: Optional[jax.Array] = None
+    softmax_offset: Optional[jax.Array] = None  # [h_q] float32
+    sequence: Optional[SequenceDescriptor] = None
+    rng: Optional[jax.Array] = None  # a JAX PRNG key, when dropout > 0
+    score_mod_args: Tuple[jax.Array, ...] = ()
+
+
+def unpack_qkv(config: AttnConfig, inputs: AttnInputs):
+    """Separate (q, k, v) in the config's layout, slicing packed inputs."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if config.qkv_packing == "qkv":
+        q, k, v = (jnp.take(inputs.q, i, axis=-3) for i in range(3))
+    elif config.qkv_packing == "kv":
+        k, v = (jnp.take(inputs.k, i, axis=-3) for i in range(2))
+    return q, k, v
+
+
+def pack_like_inputs(config: AttnConfig, dq, dk, dv):
+    """Gradients of separate q, k, v -> the packing the inputs came in (dq, dk, dv with
+    None where a packed tensor holds them)."""
+    if config.qkv_packing == "qkv":
+        return jnp.stack([dq, dk, dv], axis=-3), None, None
+    if config.qkv_packing == "kv":
+        return dq, jnp.stack([dk, dv], axis=-3), None
+    return dq, dk, dv
+
+
+def to_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
+    """A [.., h, d] tensor in the config's layout -> bshd."""
+    return jnp.swapaxes(x, 0, 1) if config.layout == "sbhd" else x
+
+
+def from_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
+    """A bshd tensor -> the config's layout."""
+    return jnp.swapaxes(x, 0, 1) if config.layout == "sbhd" else x

@@ -1,0 +1,129 @@
+"""Fuzzed score_mods / mask_mods (tests/flex_fuzz.py) on cuDNN: forward and every
+gradient (q, k, v, float score_mod_args) of `fused_attn(..., backend="cudnn")`
+against the XLA backend on the same bf16 inputs (tests/test_flex_fuzz.py ties the
+lowering to the function, the XLA oracle tests tie XLA to the float64 oracle).
+A program either matches, or is refused with the reason in explain() before any
+kernel runs; a mismatch or a crash fails. Counts go to
+$FUSEDATTN_FUZZ_OUT/flex_fuzz_gpu.json (tried, ran on cuDNN, refused by reason,
+mismatched) for benchmarks/results/.
+
+    FUSEDATTN_FUZZ_OUT=$OUT pytest -q -s tests/gpu/test_flex_fuzz_gpu.py
+
+FUSEDATTN_FUZZ_GPU_COUNT (default 500) and FUSEDATTN_FUZZ_SEED choose the programs;
+FUSEDATTN_FUZZ_THREADS (default 4; 1 if a GPU run shows a race) how many programs compile at once."""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fusedattn
+from support import attn_cases as ac
+from support import flex_fuzz as ff
+
+pytestmark = pytest.mark.gpu
+
+COUNT = int(os.environ.get("FUSEDATTN_FUZZ_GPU_COUNT", "500"))
+SEED = int(os.environ.get("FUSEDATTN_FUZZ_SEED", "0"))
+THREADS = int(os.environ.get("FUSEDATTN_FUZZ_THREADS", "4"))
+B, S, H, D = 2, 128, 4, 64  # small: one graph per program is the cost
+
+
+def _inputs(program: ff.Program, rng: np.random.Generator):
+    h_kv = 2 if program.variant == "gqa" else H
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    return (normal(B, S, H, D), normal(B, S, h_kv, D), normal(B, S, h_kv, D),
+            normal(B, S, H, D), ff.arg_values(rng, B, H))
+
+
+def _compiled(program: ff.Program):
+    """(program, explain's plan, compiled fwd+vjp of both backends, inputs) or the
+    exception: everything up to running a kernel."""
+    try:
+        rng = np.random.default_rng(SEED * 100003 + program.index)
+        q, k, v, d_out, args = _inputs(program, rng)
+        options, _ = ff.call_options(program, S)
+        plan = fusedattn.explain(q, k, v, score_mod_args=args, backend="auto", **options)
+        if plan.chosen != "cudnn":
+            return program, plan, None, None
+        floats = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+        def grads(backend):
+            def f(q, k, v, float_args):
+                full = list(args)
+                for i, a in zip(floats, float_args):
+                    full[i] = a
+                return fusedattn.fused_attn(q, k, v, score_mod_args=tuple(full),
+                                            backend=backend, **options)
+
+            def run(q, k, v, fa, d_out):
+                out, vjp = jax.vjp(f, q, k, v, fa)
+                return (out,) + tuple(vjp(d_out))
+            return run
+        both = jax.jit(lambda *a: (grads("cudnn")(*a), grads("xla")(*a)))
+        call = (q, k, v, [args[i] for i in floats], d_out)
+        return program, plan, both.lower(*call).compile(), call
+    except Exception as e:  # noqa: BLE001  (reported as a failure below)
+        return program, e, None, None
+
+
+def _compare(got, want, tol):
+    """The worst relative L2 error over the outputs (inf where non-finite differs)."""
+    worst = 0.0
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        g, w = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (g, w))
+        if not np.array_equal(np.isfinite(g), np.isfinite(w)):
+            return float("inf")
+        fin = np.isfinite(w)
+        worst = max(worst, ac.rel_error(g[fin], w[fin]))
+    return worst
+
+
+def test_fuzzed_programs_on_cudnn_match_xla():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    start = time.time()
+    counts, refusals, failures = collections.Counter(), collections.Counter(), []
+    tol = ac.TOLERANCE["bfloat16"]
+    programs = ff.draw(COUNT, seed=SEED)
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        for program, plan, compiled, call in pool.map(_compiled, programs):
+            counts["tried"] += 1
+            if isinstance(plan, Exception):
+                counts["errors"] += 1
+                failures.append(f"{program.describe()}: {type(plan).__name__}: {plan}"[:500])
+                continue
+            if compiled is None:  # refused before any kernel ran, with its reason
+                reason = dict(plan.reasons).get("cudnn", "")
+                assert reason, (program.describe(), str(plan))
+                refusals[reason.split(":")[0][:60] + ": " + reason.split(":")[-1][:80]] += 1
+                continue
+            counts["ran on cudnn"] += 1
+            got, want = compiled(*call)
+            error = _compare(got, want, tol)
+            if not error < tol:
+                counts["mismatched"] += 1
+                failures.append(f"{program.describe()}: relative error {error:.3g}")
+    counts["refused"] = sum(refusals.values())
+    record = dict(counts=dict(counts), refused_by_reason=dict(refusals), seed=SEED,
+                  shape=dict(b=B, s=S, h=H, d=D, dtype="bfloat16"), tolerance=tol,
+                  wall_s=round(time.time() - start, 1), device=str(jax.devices()[0]),
+                  jax=jax.__version__, failures=failures[:50])
+    print(json.dumps(record, indent=1))
+    out_dir = os.environ.get("FUSEDATTN_FUZZ_OUT") or os.environ.get("OUT")
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "flex_fuzz_gpu.json"), "w") as f:
+            json.dump(record, f, indent=1)
+    assert counts["tried"] >= min(COUNT, 500) or COUNT < 500
+    assert not failures, failures[:10]

@@ -1,0 +1,67 @@
+"""Sharded calls against unsharded ones: the helpers the CPU tests (8 host devices,
+the partitioning rule exercised with the XLA kernels behind native_call) and the
+GPU tests (cudnn / small_seq on 2 GPUs) share.
+
+A call under test is ``f(q, k, v, *extra) -> out``; `run` jits a loss
+``sum(out * d_out)``, its value and the gradients of q, k, v (and float extras),
+once on one device and once with the inputs placed by the given shardings, and
+returns both plus the collectives XLA compiled into the sharded step.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .attn_cases import rel_error
+
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
+
+
+def collectives(hlo_text: str) -> Dict[str, int]:
+    """How many of each collective the compiled HLO holds (async pairs counted once)."""
+    return {c: len(re.findall(rf"= [^=]*? {c}(?:-start)?\(", hlo_text)) for c in COLLECTIVES}
+
+
+def all_reduce_shapes(hlo_text: str):
+    """The result shapes of the all-reduces (tuple shapes as written)."""
+    return re.findall(r"= (\S+(?: \S+)*?) all-reduce(?:-start)?\(", hlo_text)
+
+
+def _step(f: Callable, d_out, n_diff: int):
+    def loss(*args):
+        out = f(*args)
+        return jnp.sum(out.astype(jnp.float32) * d_out.astype(jnp.float32)), out
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(n_diff)), has_aux=True))
+
+
+def run(f: Callable, args: Sequence, shardings: Sequence, d_out, n_diff: int = 3,
+        reference: Optional[Callable] = None):
+    """(unsharded results, sharded results, collectives of the sharded step, its HLO);
+    results are ``((loss, out), grads)`` as NumPy float64 leaves. The unsharded run
+    is of `reference` (default `f`) on one device."""
+    step = _step(f, d_out, n_diff)
+    single = _step(reference or f, d_out, n_diff)(*args)
+    placed = [x if s is None else jax.device_put(x, s) for x, s in zip(args, shardings)]
+    compiled = step.lower(*placed).compile()
+    counts = collectives(compiled.as_text())
+    sharded = compiled(*placed)
+    f64 = lambda t: jax.tree_util.tree_map(  # noqa: E731
+        lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64), t)
+    return f64(single), f64(sharded), counts, compiled.as_text()
+
+
+def assert_same(single, sharded, tol: float) -> None:
+    """Output and every gradient of the sharded step equal the unsharded ones (relative
+    norm error <= tol)."""
+    (_, out_ref), grads_ref = single
+    (_, out), grads = sharded
+    assert np.all(np.isfinite(out)), "sharded output has non-finite values"
+    err = rel_error(out, out_ref)
+    assert err <= tol, f"out: relative error {err:.3g} > {tol:g}"
+    for i, (g, r) in enumerate(zip(grads, grads_ref)):
+        err = rel_error(g, r)
+        assert err <= tol, f"gradient {i}: relative error {err:.3g} > {tol:g}"
