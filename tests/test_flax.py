@@ -46,15 +46,57 @@ def test_nnx_multihead_attention_fn_matches_flax():
     np.testing.assert_allclose(ours(x, mask=mask), ref(x, mask=mask), rtol=TOL, atol=TOL)
 
 
-def test_attention_fn_refuses_what_it_cannot_do():
-    q = _x(shape=(2, 8, 2, 4))
-    with pytest.raises(ValueError, match="broadcast_dropout=False"):
-        fa.attention_fn(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0))
-    with pytest.raises(ValueError, match="precision"):
-        fa.attention_fn(q, q, q, precision=jax.lax.Precision.HIGHEST)
-    out = fa.attention_fn(q, q, q, dropout_rate=0.1, dropout_rng=jax.random.PRNGKey(0),
-                          broadcast_dropout=False)
+def test_attention_fn_falls_back_to_flax_for_what_no_kernel_serves(caplog, monkeypatch):
+    """Never refuses what Flax accepts: such calls run Flax's own function (the same
+    numbers, dropout mask included), say why in fallback_reason and log it once."""
+    q, k, v = (_x(i, shape=(2, 8, 2, 4)) for i in range(3))
+    rng = jax.random.PRNGKey(0)
+    cases = [(dict(dropout_rate=0.1, dropout_rng=rng), "broadcast_dropout"),
+             (dict(precision=jax.lax.Precision.HIGHEST), "precision"),
+             (dict(precision="highest"), "precision"),
+             (dict(force_fp32_for_softmax=True, dtype=jnp.bfloat16), "force_fp32_for_softmax")]
+    monkeypatch.setattr(fusedattn.jax_nn, "_LOGGED", set())  # forget earlier tests' logs
+    for kwargs, why in cases:
+        assert why in fa.fallback_reason(q, k, v, **kwargs)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fusedattn"):
+            for _ in range(2):
+                np.testing.assert_array_equal(fa.attention_fn(q, k, v, **kwargs),
+                                              nn.dot_product_attention(q, k, v, **kwargs))
+        assert sum(why in r.getMessage() for r in caplog.records) == 1
+    for precision in (None, "default", jax.lax.Precision.DEFAULT):
+        assert fa.fallback_reason(q, k, v, precision=precision) is None
+    out = fa.attention_fn(q, k, v, dropout_rate=0.1, dropout_rng=rng, broadcast_dropout=False)
     assert out.shape == q.shape
+    with jax.enable_x64(True):
+        q64 = q.astype(jnp.float64)
+        assert "float64" in fa.fallback_reason(q64, q64, q64)
+        assert fa.attention_fn(q64, q64, q64).dtype == jnp.float64
+
+
+def test_attention_weights_through_flax():
+    """sow_weights (module=) runs Flax's function, which sows them, for linen and nnx."""
+    x = _x()
+    layer = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=fa.attention_fn)
+    params = layer.init(jax.random.PRNGKey(1), x)
+    _, state = layer.apply(params, x, sow_weights=True, mutable=["intermediates"])
+    (weights,) = state["intermediates"]["attention_weights"]
+    assert weights.shape == (2, 4, 16, 16)
+    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+    mha = nnx.MultiHeadAttention(num_heads=4, in_features=32, decode=False,
+                                 attention_fn=fa.attention_fn, rngs=nnx.Rngs(0))
+    _, captured = nnx.capture(lambda m: m(x, sow_weights=True), nnx.Intermediate)(mha)
+    assert "attention_weights" in str(jax.tree_util.tree_structure(captured))
+
+
+def test_mask_and_is_causal_rows_that_see_nothing_average_all_values():
+    """A row the mask hides entirely averages all values under is_causal, as in Flax."""
+    q, k, v = (_x(i, shape=(1, 4, 2, 8)) for i in range(3))
+    mask = jnp.ones((1, 1, 4, 4), bool).at[..., 2, :].set(False)
+    ref = nnx.dot_product_attention(q, k, v, mask=mask, is_causal=True)
+    np.testing.assert_allclose(fa.attention_fn(q, k, v, mask=mask, is_causal=True), ref,
+                               rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(ref[0, 2], v[0].mean(0), rtol=TOL, atol=TOL)
 
 
 def test_linen_module_options_params_and_dropout():

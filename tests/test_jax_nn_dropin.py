@@ -2,10 +2,15 @@
 "xla")` on the cases of JAX's own tests (tests/nn_test.py: testDotProductAttention,
 testDotProductAttentionMask, testDotProductAttentionBiasGradient and the local-window
 case), forward and vjp, with JAX's tolerances (bf16 / fp16: 0.01, mask gradients 0.02,
-bias gradient 0.1), plus argument errors.
+bias gradient 0.1), plus argument errors and jax.nn's edge cases (rows that see no key,
+rank < 4, an empty batch).
+
+ci/conformance.sh runs this file again with ``jax.nn.dot_product_attention`` replaced by
+fusedattn's (tests/conformance/jax_dropin.py); the reference stays jax.nn's own function.
 """
 from __future__ import annotations
 
+import sys
 from functools import partial
 
 import jax
@@ -16,6 +21,8 @@ from jax import random
 
 import fusedattn
 
+# jax.nn's own function, also when a conformance run has replaced the name by fusedattn's.
+JAX_NN = getattr(sys.modules.get("jax_dropin"), "ORIGINAL", jax.nn.dot_product_attention)
 B, S, T, N, H = 2, 128, 128, 4, 32
 
 
@@ -38,7 +45,7 @@ def test_gqa_forward_vjp_and_residual(dtype, group_num, use_vmap):
     if use_vmap:
         ours = jax.vmap(ours, in_axes=(0, 0, 0, None, None), out_axes=0)
     k_ref, v_ref = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-    out_ref, vjp_ref = jax.vjp(partial(jax.nn.dot_product_attention, implementation="xla"),
+    out_ref, vjp_ref = jax.vjp(partial(JAX_NN, implementation="xla"),
                                q, k_ref, v_ref, None, None)
     out, vjp = jax.vjp(ours, q, k, v, None, None)
     dq_ref, dk_ref, dv_ref = vjp_ref(grad)[:3]
@@ -49,7 +56,7 @@ def test_gqa_forward_vjp_and_residual(dtype, group_num, use_vmap):
     _close(dv, dv_ref.reshape(B, S, N // G, G, H).sum(3), .01)
     (o_lse, lse), _ = jax.vjp(partial(fusedattn.dot_product_attention, return_residual=True),
                               q, k, v)
-    (o_lse_ref, lse_ref), _ = jax.vjp(partial(jax.nn.dot_product_attention, return_residual=True),
+    (o_lse_ref, lse_ref), _ = jax.vjp(partial(JAX_NN, return_residual=True),
                                       q, k_ref, v_ref)
     _close(o_lse, o_lse_ref, .01)
     _close(lse, lse_ref, .01)
@@ -80,7 +87,7 @@ def test_masks_forward_and_gradients(mask_mode):
     def call(fn, q, k, v, b, m):
         return fn(q, k, v, b, m, is_causal=causal, query_seq_lengths=q_len,
                   key_value_seq_lengths=kv_len, local_window_size=window)
-    out_ref, vjp_ref = jax.vjp(partial(call, partial(jax.nn.dot_product_attention,
+    out_ref, vjp_ref = jax.vjp(partial(call, partial(JAX_NN,
                                                      implementation="xla")), q, k, v, bias, mask)
     out, vjp = jax.vjp(partial(call, fusedattn.dot_product_attention), q, k, v, bias, mask)
     _close(out, out_ref, .01)
@@ -102,7 +109,7 @@ def test_bias_gradient(batch_size, use_vmap):
 
     def attention(fn, x, bias, mask):
         return fn(x, x, x, bias, mask, is_causal=False)
-    ref = partial(attention, partial(jax.nn.dot_product_attention, implementation="xla"))
+    ref = partial(attention, partial(JAX_NN, implementation="xla"))
     ours = partial(attention, fusedattn.dot_product_attention)
     if use_vmap:
         ref, ours = (jax.vmap(f, in_axes=(0, 0, None)) for f in (ref, ours))
@@ -118,7 +125,7 @@ def test_local_window_without_mask_matters():
     large = fusedattn.dot_product_attention(q, k, v, local_window_size=(32, 32))
     small = fusedattn.dot_product_attention(q, k, v, local_window_size=(1, 1))
     assert not np.allclose(large, small)
-    _close(small, jax.nn.dot_product_attention(q, k, v, local_window_size=(1, 1)), 1e-5)
+    _close(small, JAX_NN(q, k, v, local_window_size=(1, 1)), 1e-5)
 
 
 def test_unbatched_and_fully_masked_rows_match_jax():
@@ -127,7 +134,7 @@ def test_unbatched_and_fully_masked_rows_match_jax():
     q, k, v = (random.normal(kk, (16, 2, 8), jnp.float32) for kk in keys)
     mask = jnp.ones((16, 16), jnp.bool_).at[3].set(False)[None]
     _close(fusedattn.dot_product_attention(q, k, v, mask=mask),
-           jax.nn.dot_product_attention(q, k, v, mask=mask), 1e-5)
+           JAX_NN(q, k, v, mask=mask), 1e-5)
 
 
 def test_argument_errors_name_the_argument():
@@ -156,3 +163,38 @@ def test_float64_runs_jax_nn_itself_without_inf_warnings():
         assert out.dtype == jnp.float64 and out.shape == (t, n, h)
         with pytest.raises(TypeError, match="dtype must be one of"):
             fusedattn.dot_product_attention(*args, mask=mask, implementation="cudnn")
+
+
+def test_monkeypatched_jax_nn_float64_does_not_recurse(monkeypatch):
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fusedattn.dot_product_attention)
+    with jax.enable_x64(True):
+        x = jnp.ones((3, 2, 4), jnp.float64)
+        out = jax.nn.dot_product_attention(x, x, x)
+        assert out.dtype == jnp.float64 and out.shape == x.shape
+    assert "float64" in fusedattn.jax_nn.fallback_reason(x, x, x)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_that_see_no_key_average_all_values(dtype, causal):
+    """S1 / S2: a row the boolean mask hides entirely, in every dtype and with is_causal,
+    and rows past a zero key length or a window, average all values as in jax.nn."""
+    keys = random.split(random.PRNGKey(2), 3)
+    q, k, v = (random.normal(kk, (2, 8, 4, 16), dtype) for kk in keys)
+    mask = jnp.ones((2, 1, 8, 8), jnp.bool_).at[:, :, 3].set(False).at[1, :, :, :5].set(False)
+    tol = 1e-5 if dtype == jnp.float32 else .01
+    _close(fusedattn.dot_product_attention(q, k, v, mask=mask, is_causal=causal),
+           JAX_NN(q, k, v, mask=mask, is_causal=causal), tol)
+    lengths = dict(query_seq_lengths=jnp.array([8, 6], jnp.int32),
+                   key_value_seq_lengths=jnp.array([0, 5], jnp.int32))
+    _close(fusedattn.dot_product_attention(q, k, v, is_causal=causal, **lengths),
+           JAX_NN(q, k, v, is_causal=causal, **lengths), tol)
+    _close(fusedattn.dot_product_attention(q, k[:, :3], v[:, :3], local_window_size=(1, 0)),
+           JAX_NN(q, k[:, :3], v[:, :3], local_window_size=(1, 0)), tol)
+
+
+def test_rank_below_4_and_empty_batch_as_jax_nn():
+    x = jnp.ones((2, 8))
+    assert fusedattn.dot_product_attention(x, x, x).shape == JAX_NN(x, x, x).shape == (2, 8)
+    e = jnp.ones((0, 4, 2, 8))
+    assert fusedattn.dot_product_attention(e, e, e).shape == JAX_NN(e, e, e).shape

@@ -20,6 +20,8 @@ an fp32 scalar array, so new values never retrace or rebuild a graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Optional, Tuple
 
 import jax
@@ -31,7 +33,7 @@ from .fp8_scaling import (BOUND_MARGIN, E4M3, E5M2, FORMATS, FP8_MAX, BackwardAm
                           DelayedScaling, ForwardAmax, Fp8Scales, InputStats, amax,
                           backward_scales, config_reason, dequantize, forward_scales, quantize,
                           scale_for)
-from .validation import build_call
+from .validation import build_call, check_now_or_when_run
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, scales: Fp8Scales,
@@ -63,6 +65,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, scales: Fp8Scales,
         if getattr(value, "shape", None) != ():
             raise ValueError(f"scales.{field} must be a scalar (shape ()), got "
                              f"{getattr(value, 'shape', type(value).__name__)}")
+        # A zero, negative or non-finite scale gives inf / NaN out of the kernels with no
+        # error: checked now when concrete, when the program runs in checked mode.
+        check_now_or_when_run(functools.partial(_check_scale, field), value)
     fp8_out = jnp.dtype(out_dtype) == jnp.dtype(E4M3)
     if not fp8_out and jnp.dtype(out_dtype).name not in ("bfloat16", "float16"):
         raise TypeError(f"out_dtype must be float8_e4m3fn, bfloat16 or float16, got {out_dtype}")
@@ -78,3 +83,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, scales: Fp8Scales,
     if backward_amax is None:
         backward_amax = BackwardAmax.zeros()
     return fp8_op.explicit(config, plan.require(), q, k, v, sequence, scales, backward_amax)
+
+
+def _check_scale(field: str, value) -> None:
+    if not (math.isfinite(float(value)) and float(value) > 0.0):
+        raise ValueError(f"scales.{field} must be finite and > 0 (x_fp8 = x * scale), got "
+                         f"{float(value)}")

@@ -85,6 +85,12 @@ class SequenceDescriptor:
             raise ValueError(f"max_segments must be a positive int, got {max_segments!r}")
         q_ids = jnp.asarray(q_segment_ids)
         kv_ids = q_ids if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
+        for name, ids in (("q_segment_ids", q_ids), ("kv_segment_ids", kv_ids)):
+            if ids.ndim != 2:
+                raise ValueError(f"{name} must be [batch, seq_len] (one row per batch entry; "
+                                 f"a single sequence is ids[None]), got shape {ids.shape}")
+            if not jnp.issubdtype(ids.dtype, jnp.integer):
+                raise TypeError(f"{name} must be an integer array, got {ids.dtype}")
         q_len, q_off = _ids_to_lengths_offsets(q_ids.astype(_INT), max_segments)
         kv_len, kv_off = _ids_to_lengths_offsets(kv_ids.astype(_INT), max_segments)
         q_pos_derived = _lengths_offsets_to_ids(q_len, q_off, q_ids.shape[-1])[1]

@@ -2,13 +2,17 @@
 
 Every rule raises `ValueError` (bad value or shape) or `TypeError` (bad type or
 dtype) naming the argument, before any kernel is traced. Checks that need
-values (lengths in range, sorted segment ids) run when those arrays are
-concrete; under `jit` they are traced and the backends treat out-of-range
-values as documented (clamped by masking), never reading out of bounds.
+values (lengths in range, sorted segment ids, back-to-back offsets) run when those
+arrays are concrete; under `jit` they are traced and the backends treat
+out-of-range values as documented (clamped by masking), never reading out of
+bounds. With ``FUSEDATTN_CHECK_TRACED=1`` (checked mode) the same checks also run
+on traced values, as the compiled program runs (a host callback: slower, for
+debugging), and raise there.
 """
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional, Tuple
 
 import jax
@@ -76,10 +80,27 @@ def _check_int_array(x, name: str, shape: Tuple[int, ...]) -> None:
         raise TypeError(f"{name} must be an integer array, got {jnp.dtype(x.dtype).name}")
 
 
+def checked_mode() -> bool:
+    """FUSEDATTN_CHECK_TRACED=1: value checks also run on traced arrays, when the program runs."""
+    return os.environ.get("FUSEDATTN_CHECK_TRACED", "0") == "1"
+
+
+def check_now_or_when_run(check, *arrays) -> None:
+    """Run `check` (NumPy arrays in, raises ValueError) now if every array is concrete;
+    else, in checked mode, when the compiled program runs."""
+    values = [concrete(a) for a in arrays]
+    if all(v is not None for v in values):
+        check(*values)
+    elif checked_mode() and not any(isinstance(a, jax.ShapeDtypeStruct) for a in arrays):
+        jax.debug.callback(lambda *a: check(*map(np.asarray, a)), *arrays)
+
+
 def _check_range(x, name: str, hi: int) -> None:
-    value = concrete(x)
-    if value is not None and value.size and (value.min() < 0 or value.max() > hi):
-        raise ValueError(f"{name} must lie in [0, {hi}], got values in [{value.min()}, {value.max()}]")
+    def check(value):
+        if value.size and (value.min() < 0 or value.max() > hi):
+            raise ValueError(f"{name} must lie in [0, {hi}], got values in [{value.min()}, "
+                             f"{value.max()}]")
+    check_now_or_when_run(check, x)
 
 
 def check_sequence(seq: Any, batch: int, s_q: int, s_kv: int) -> str:
@@ -107,10 +128,7 @@ def check_sequence(seq: Any, batch: int, s_q: int, s_kv: int) -> str:
 
 
 def _check_packing_values(seq: SequenceDescriptor, side: str, s: int) -> None:
-    lengths = concrete(getattr(seq, f"{side}_lengths"))
-    offsets = concrete(getattr(seq, f"{side}_offsets"))
-    ids = concrete(getattr(seq, f"{side}_segment_ids"))
-    if lengths is not None and offsets is not None:
+    def check_offsets(lengths, offsets):
         if lengths.min() < 0 or offsets.min() < 0:
             raise ValueError(f"sequence.{side}_seqlens and {side}_offsets must be non-negative")
         if (offsets + lengths).max() > s:
@@ -122,7 +140,8 @@ def _check_packing_values(seq: SequenceDescriptor, side: str, s: int) -> None:
         if np.any(used & (offsets != expected)):
             raise ValueError(f"sequence.{side}_offsets must place segments back to back from "
                              f"the start of each row (offset[n] = sum of earlier seqlens)")
-    if ids is not None:
+
+    def check_ids(ids):
         if ids.min() < 0 or ids.max() > seq.max_segments:
             raise ValueError(f"sequence.{side}_segment_ids must lie in [0, max_segments="
                              f"{seq.max_segments}] (0 = padding), got [{ids.min()}, {ids.max()}]")
@@ -131,12 +150,31 @@ def _check_packing_values(seq: SequenceDescriptor, side: str, s: int) -> None:
         if not nonzero_then_zero or np.any(np.diff(real, axis=1) < 0):
             raise ValueError(f"sequence.{side}_segment_ids must be sorted (non-decreasing) with "
                              f"padding (0) only at the end of each row")
+
+    check_now_or_when_run(check_offsets, getattr(seq, f"{side}_lengths"),
+                          getattr(seq, f"{side}_offsets"))
+    check_now_or_when_run(check_ids, getattr(seq, f"{side}_segment_ids"))
+    ids = concrete(getattr(seq, f"{side}_segment_ids"))
     given = seq._given_positions[0 if side == "q" else 1]
     given_value = concrete(given)
     if given_value is not None:
         derived = concrete(getattr(seq, f"{side}_positions"))
         if given_value.shape != derived.shape or np.any((ids > 0) & (given_value != derived)):
             raise ValueError(f"{side}_positions must count 0, 1, 2, ... inside each segment")
+
+
+def check_rng(rng) -> None:
+    """A PRNG key: typed (jax.random.key) or raw uint32[2] (jax.random.PRNGKey)."""
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if tuple(rng.shape) != ():
+            raise ValueError(f"rng must be a single PRNG key (shape ()), got shape {rng.shape}")
+        return
+    if dtype is None or jnp.dtype(dtype) != jnp.uint32 or tuple(rng.shape) != (2,):
+        got = (f"{jnp.dtype(dtype).name} array of shape {tuple(rng.shape)}" if dtype is not None
+               else f"{type(rng).__name__} {rng!r}")
+        raise TypeError(f"rng must be a JAX PRNG key (jax.random.key(seed) or "
+                        f"jax.random.PRNGKey(seed)), got {got}")
 
 
 def _check_window(window, mask: str) -> Optional[Tuple[int, int]]:
@@ -339,6 +377,8 @@ def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, s
     dropout = float(dropout)
     if dropout > 0.0 and rng is None:
         raise ValueError("dropout > 0 needs rng, a JAX PRNG key (jax.random.key or PRNGKey)")
+    if dropout > 0.0:
+        check_rng(rng)
 
     if score_mod is not None and not callable(score_mod):
         raise TypeError(f"score_mod must be a function (score, batch, head, q_idx, kv_idx, *args) "
