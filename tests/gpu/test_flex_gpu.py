@@ -22,6 +22,8 @@ from fusedattn import score_mods  # noqa: E402
 from fusedattn.backends.cudnn import causal_chunks  # noqa: E402
 from fusedattn.validation import build_call  # noqa: E402
 from fusedattn.backends import cudnn  # noqa: E402
+from fusedattn.backends.cudnn import flex as cudnn_flex  # noqa: E402
+from fusedattn.backends.cudnn.lowering import lower as flex_lowering  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -152,7 +154,6 @@ def test_cudnn_still_misreads_per_batch_score_mod_tensors(monkeypatch):
     refusal lifted, cuDNN's result is far from the oracle. When a cuDNN release fixes
     it, this test fails: lift the refusal for that version."""
     from fusedattn import dispatch
-    from fusedattn.backends.cudnn import flex as cudnn_flex
     monkeypatch.setattr(cudnn_flex, "PER_BATCH_INPUTS_OK", True)
     dispatch.clear_cache()
     try:
