@@ -18,7 +18,7 @@ import pytest
 from support import attn_cases as ac  # noqa: E402
 from support import flex_cases as fc  # noqa: E402
 import fusedattn  # noqa: E402
-from fusedattn import score_mods  # noqa: E402
+from fusedattn import dispatch, score_mods  # noqa: E402
 from fusedattn.backends.cudnn import causal_chunks  # noqa: E402
 from fusedattn.validation import build_call  # noqa: E402
 from fusedattn.backends import cudnn  # noqa: E402
