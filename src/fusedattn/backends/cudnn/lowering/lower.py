@@ -17,10 +17,11 @@ depends on:
 The backward program (score_mod_bprop) is JAX's derivative of the score_mod with
 respect to the score, lowered the same way and multiplied by the incoming gradient
 ``g``; the masks stay out of it (cuDNN's dS is already 0 wherever P is). It reads
-the forward's score-chain values (``wN``) rather than recomputing them, and
-recomputes what depends on positions alone (`score_read` says how it reads the score). A primitive cuDNN cannot
-express on dynamic values (a gather, a reduction, integer bit operations) raises
-`Unsupported` naming it; `tests/support/flex_interpreter.py` runs programs with NumPy for tests.
+the forward's score-chain values (``wN``) rather than recomputing them, recomputes
+what depends on positions alone, and reads the score through the forward's own ``id``
+(`_read_score_through_forward`). A primitive cuDNN cannot express on dynamic values (a
+gather, a reduction, integer bit operations) raises `Unsupported` naming it;
+`tests/support/flex_interpreter.py` runs programs with NumPy for tests.
 
 What compiles is not always what cuDNN's engines take: a graph they refuse is
 refused at the support probe with cuDNN's message, and the call falls back.
@@ -37,7 +38,6 @@ two equal lambdas share a graph; different ones never collide.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -309,36 +309,18 @@ def _needed(parsed, result: str) -> set:
     return needed
 
 
-# How a bprop reads the score (temporary switch, until a GPU run settles it; issue 28).
-# "chain": an ``id`` of the score that the forward itself computes from, the form of
-# the frontend's own soft-capping (its bprop reads a value on the forward's chain);
-# "raw": the score itself (XLA's cuDNN score_mod passes it to its bprop);
-# "dangling": the old form, an ``id`` no forward instruction reads: with it cuDNN 9.19
-# computed dV wrong (``sin(cos(s)) + 0.5 * cos(s)``: 394x; ``s * sigmoid(s)`` with
-# SIGMOID_BWD: 50-170x), dQ and dK right.
-ENV_SCORE_READ = "FUSEDATTN_FLEX_SCORE_READ"
-SCORE_READS = ("chain", "raw", "dangling")
-
-
-def score_read() -> str:
-    mode = os.environ.get(ENV_SCORE_READ, "chain").strip().lower() or "chain"
-    if mode not in SCORE_READS:
-        raise ValueError(f"{ENV_SCORE_READ} must be one of {SCORE_READS}, got {mode!r}")
-    return mode
-
-
 def _read_score_through_forward(forward: Program, bprop: Program) -> None:
-    """A bprop that reads the score itself reads it as `score_read` says: through an
-    `id` the forward makes first and (``chain``) reads the score through."""
-    mode = score_read()
-    if mode == "raw" or "s" not in flex_hoist.tokens(bprop.lines):
+    """A bprop that reads the score itself reads it through an ``id`` the forward makes
+    first and reads the score through: the form of the frontend's own soft-capping,
+    whose bprop reads a value on the forward's chain. A bprop reading an ``id`` no
+    forward instruction reads got a wrong dV from cuDNN (docs/decisions.md)."""
+    if "s" not in flex_hoist.tokens(bprop.lines):
         return
 
     def shift(token, prefix):
         return f"{prefix}{int(token[1:]) + 1}" if re.fullmatch(prefix + r"\d+", token) else token
-    own = "v0" if mode == "chain" else "s"
     forward.lines = ["id:s"] + [
-        f"{op}:{','.join(own if a == 's' else shift(a, 'v') for a in args.split(','))}"
+        f"{op}:{','.join('v0' if a == 's' else shift(a, 'v') for a in args.split(','))}"
         for op, args in (line.split(":") for line in forward.lines)]
     bprop.lines = [
         f"{op}:{','.join('w0' if a == 's' else shift(a, 'w') for a in args.split(','))}"
