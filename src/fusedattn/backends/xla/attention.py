@@ -1,21 +1,5 @@
-"""The XLA backend: every feature of `AttnConfig` in plain JAX, on any platform.
-
-It is the ground truth for the native backends and the fallback everywhere.
-Memory stays O(tile) beyond inputs and outputs (see `tiles`), so long
-sequences run without an s_q x s_kv score matrix; short ones run as a single
-tile with no loop.
-
-Gradients flow to q, k, v, bias (summed over its broadcast dimensions),
-softmax_offset, and to floating-point score_mod arguments (summed over tiles);
-integer score_mod arguments, sequence descriptors and the dropout key get none.
-
-score_mod is called once per tile as
-``score_mod(score, batch, head, q_idx, kv_idx, *score_mod_args)`` with ``score``
-the fp32 ``[b, h_q, bq, bk]`` tile of scaled (and biased) logits, ``batch``
-``[b, 1, 1, 1]``, ``head`` ``[1, h_q, 1, 1]``, ``q_idx`` ``[b|1, 1, bq, 1]`` and
-``kv_idx`` ``[b|1, 1, 1, bk]`` int32 (positions inside the sequence/segment).
-It must be elementwise in those arguments; its backward is JAX's derivative of it.
-"""
+"""The XLA backend's attention: forward and backward in plain JAX over tiles (`tiles`),
+masks from `masks`; what it computes and promises is in the package docstring."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
