@@ -24,7 +24,7 @@ HALF = BLOCK // 2
 
 
 def _unpack(refs, n_qa, n_ka, has_dense):
-    head, refs = refs[:6], list(refs[6:])
+    head, refs = refs[:5], list(refs[5:])
     lists, refs = refs[:4], refs[4:]
     qa = refs.pop(0) if n_qa else None
     ka = refs.pop(0) if n_ka else None
@@ -53,9 +53,9 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
     shape = (ROWS, HALF)
 
     def body(*refs):
-        (q_ref, k_ref, v_ref, do_ref, ld_ref, dq_ref), list_refs, qa_ref, ka_ref, d_ref, refs = \
+        (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, qa_ref, ka_ref, d_ref, refs = \
             _unpack(refs, n_qa, n_ka, dense is not None)
-        q_smem, do_smem, ld_smem, k_smem, v_smem, *refs = refs
+        dq_ref, q_smem, do_smem, ld_smem, k_smem, v_smem, *refs = refs
         qa_smem = refs.pop(0) if n_qa else None
         ka_smem = refs.pop(0) if n_ka else None
         d_smem = refs.pop(0) if dense is not None else None
@@ -73,15 +73,15 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
             q0 = t * BLOCK + wg * ROWS
             rows = pl.ds(q0, ROWS)
             qw, dow = q_smem.at[wg], do_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], qw, in_ready.at[wg, 0])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], dow, in_ready.at[wg, 1])
-            plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[wg], in_ready.at[wg, 2])
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], qw, in_ready.at[wg * 4 + 0])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], dow, in_ready.at[wg * 4 + 1])
+            plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[wg], in_ready.at[wg * 4 + 2])
             if n_qa:
                 plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, rows],
-                                        qa_smem.at[wg], in_ready.at[wg, 3])
-                plgpu.barrier_wait(in_ready.at[wg, 3])
+                                        qa_smem.at[wg], in_ready.at[wg * 4 + 3])
+                plgpu.barrier_wait(in_ready.at[wg * 4 + 3])
             for x in range(3):
-                plgpu.barrier_wait(in_ready.at[wg, x])
+                plgpu.barrier_wait(in_ready.at[wg * 4 + x])
             lse = row_vector(ld_smem.at[wg, 0], interpret)
             delta = row_vector(ld_smem.at[wg, 1], interpret)
             q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
@@ -156,7 +156,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
         scratch.append(plgpu.SMEM((NSTAGE, n_ka, HALF), jnp.int32))
     if dense is not None:
         scratch.append(plgpu.SMEM((NWG, ROWS, HALF), jnp.int16))
-    scratch += [plgpu.Barrier(num_barriers=(NWG, 4)), plgpu.Barrier(num_barriers=NSTAGE),
+    scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NWG)]
@@ -182,9 +182,9 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
     shape = (ROWS, HALF)                  # rows: keys, columns: queries
 
     def body(*refs):
-        (q_ref, k_ref, v_ref, do_ref, ld_ref, dk_ref), list_refs, qa_ref, ka_ref, d_ref, refs = \
+        (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, qa_ref, ka_ref, d_ref, refs = \
             _unpack(refs, n_qa, n_ka, dense is not None)
-        dv_ref, k_smem, v_smem, q_smem, do_smem, ld_smem, *refs = refs
+        dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, ld_smem, *refs = refs
         qa_smem = refs.pop(0) if n_qa else None
         ka_smem = refs.pop(0) if n_ka else None
         d_smem = refs.pop(0) if dense is not None else None
@@ -202,14 +202,14 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
             k0 = t * BLOCK + wg * ROWS
             keys = pl.ds(k0, ROWS)
             kw_, vw = k_smem.at[wg], v_smem.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], kw_, in_ready.at[wg, 0])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], vw, in_ready.at[wg, 1])
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], kw_, in_ready.at[wg * 4 + 0])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], vw, in_ready.at[wg * 4 + 1])
             if n_ka:
                 plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, keys],
-                                        ka_smem.at[wg], in_ready.at[wg, 2])
-                plgpu.barrier_wait(in_ready.at[wg, 2])
-            plgpu.barrier_wait(in_ready.at[wg, 0])
-            plgpu.barrier_wait(in_ready.at[wg, 1])
+                                        ka_smem.at[wg], in_ready.at[wg * 4 + 2])
+                plgpu.barrier_wait(in_ready.at[wg * 4 + 2])
+            plgpu.barrier_wait(in_ready.at[wg * 4 + 0])
+            plgpu.barrier_wait(in_ready.at[wg * 4 + 1])
             kv_vals = [row_vector(ka_smem.at[wg, r], interpret) for r in range(n_ka)]
 
             def step(s_i, carry):
@@ -290,7 +290,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
         scratch.append(plgpu.SMEM((NWG, n_ka, ROWS), jnp.int32))
     if dense is not None:
         scratch.append(plgpu.SMEM((NWG, ROWS, HALF), jnp.int16))
-    scratch += [plgpu.Barrier(num_barriers=(NWG, 3)), plgpu.Barrier(num_barriers=NSTAGE),
+    scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
