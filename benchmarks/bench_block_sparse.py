@@ -1,0 +1,207 @@
+"""Block-sparse attention (fusedattn.block_sparse.block_sparse_attention, Mosaic GPU
+kernels) on one GPU against fusedattn's plain causal and torch flex_attention,
+forward and forward+backward, b4 s4096 h16 d128 bf16.
+
+TFLOP/s count visible pairs only (4 * d flops per pair forward, 3.5x that for
+forward+backward), for every row alike, so rows compare as work per second. Our
+rows include building the block map: a mask_mod that reads only positions has a
+static map (built on the host when traced), maps from an id array or a dense mask
+are built on the device inside the timed step. torch flex_attention
+(torch.compile, create_block_mask built once outside the timing) runs in a child
+process, timed the same way.
+
+    python -m benchmarks.bench_block_sparse
+
+Writes benchmarks/results/block_sparse_<device>.json.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import (device_meta, device_slug, print_table, run_main, time_row,
+                               warm_into, write_results)
+from fusedattn import block_sparse as bs
+from fusedattn.block_sparse.attention import block_sparse_attention
+
+B, S, H, D = 4, 4096, 16, 128
+WINDOW, PREFIX, DOCS = 512, 1024, (512, 1024, 512, 2048)
+
+
+def _doc_ids():
+    ids = np.concatenate([np.full(n, i, np.int32) for i, n in enumerate(DOCS)])
+    return np.broadcast_to(ids, (B, S)).copy()
+
+
+def _visible_pairs(name):
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    if name == "sliding_window":
+        m = (j <= i) & (i - j < WINDOW)
+    elif name == "prefix_lm":
+        m = (j <= i) | (j < PREFIX)
+    elif name == "causal":
+        m = j <= i
+    else:
+        ids = _doc_ids()[0]
+        m = ids[:, None] == ids[None, :]
+    return int(m.sum()) * B * H
+
+
+def cases():
+    """name -> fn(q, k, v, extra): `extra` (the ids or the dense mask) is an argument of
+    the jitted step, so building its map runs on the device in every call."""
+    def window(q, k, v, extra):
+        bm = bs.block_map(lambda b, h, i, j: (j <= i) & (i - j < WINDOW), s_q=S, s_kv=S)
+        return block_sparse_attention(q, k, v, bm)
+
+    def prefix(q, k, v, extra):
+        bm = bs.block_map(lambda b, h, i, j: (j <= i) | (j < PREFIX), s_q=S, s_kv=S)
+        return block_sparse_attention(q, k, v, bm)
+
+    def documents(q, k, v, ids):
+        return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None))
+
+    def documents_dense(q, k, v, dense):
+        return block_sparse_attention(q, k, v, bs.from_dense_mask(dense))
+
+    return {"sliding_window": window, "prefix_lm": prefix, "documents": documents,
+            "documents_dense_mask": documents_dense}
+
+
+def plain_causal():
+    try:
+        import fusedattn
+        f = lambda q, k, v, _: fusedattn.fused_attn(q, k, v, mask="causal", backend="cudnn")
+        q = jnp.zeros((1, 128, 1, D), jnp.bfloat16)
+        jax.block_until_ready(f(q, q, q, None))
+        return f, "fusedattn cudnn"
+    except Exception:  # noqa: BLE001 - without the native extension: cuDNN through jax.nn
+        return (lambda q, k, v, _: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                                 implementation="cudnn"),
+                "jax.nn cudnn")
+
+
+def _step(fn, mode, q, k, v, do, extra):
+    if mode == "fwd":
+        return jax.jit(fn), (q, k, v, extra)
+
+    def run(q, k, v, do, extra):
+        _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, extra), q, k, v)
+        return vjp(do)
+    return jax.jit(run), (q, k, v, do, extra)
+
+
+TORCH = r'''
+import json, math, statistics, time
+import torch
+from torch.nn.attention.flex_attention import flex_attention, create_block_mask
+B, S, H, D, W, P = %d, %d, %d, %d, %d, %d
+ids = torch.tensor(%s, device="cuda", dtype=torch.int32)
+torch.manual_seed(0)
+q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+for t in (q, k, v):
+    t.requires_grad_(True)
+masks = {
+  "sliding_window": lambda b, h, i, j: (j <= i) & (i - j < W),
+  "prefix_lm": lambda b, h, i, j: (j <= i) | (j < P),
+  "documents": lambda b, h, i, j: ids[i] == ids[j],
+  "causal": lambda b, h, i, j: j <= i,
+}
+fa = torch.compile(flex_attention)
+def time_round(fn, reps):
+    torch.cuda.synchronize(); t0 = time.perf_counter()
+    for _ in range(reps): fn()
+    torch.cuda.synchronize(); return (time.perf_counter() - t0) / reps
+out = {}
+for name, mask in masks.items():
+    bm = create_block_mask(mask, None, None, S, S)
+    fwd = lambda: fa(q, k, v, block_mask=bm)
+    def fb():
+        o = fa(q, k, v, block_mask=bm)
+        torch.autograd.grad(o, (q, k, v), do)
+    calls = {"fwd": fwd, "fwd+bwd": fb}
+    for f in calls.values():
+        for _ in range(3): f()
+    reps = {m: max(3, math.ceil(0.025 / time_round(f, 1))) for m, f in calls.items()}
+    samples = {m: [] for m in calls}
+    for _ in range(7):
+        for m, f in calls.items(): samples[m].append(time_round(f, reps[m]))
+    out[name] = {m: statistics.median(s) for m, s in samples.items()}
+print("RESULT" + json.dumps(out))
+'''
+
+
+def torch_times() -> dict:
+    src = TORCH % (B, S, H, D, WINDOW, PREFIX, json.dumps(_doc_ids()[0].tolist()))
+    proc = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True,
+                          timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT"):
+            return json.loads(line[len("RESULT"):])
+    raise RuntimeError(f"torch flex_attention failed: {proc.stderr[-2000:]}")
+
+
+def main():
+    if jax.default_backend() != "gpu":
+        print("bench_block_sparse: needs a CUDA GPU, skipped")
+        return
+    meta = device_meta()
+    print(f"device {meta.get('device')}  jax {meta.get('jax')}", flush=True)
+    notes = {}
+    try:
+        torch = torch_times()
+    except Exception as e:  # noqa: BLE001 - the anchor is reported missing, with why
+        torch, notes["torch"] = {}, f"{type(e).__name__}: {str(e)[:300]}"
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(x, (B, S, H, D), jnp.bfloat16) for x in keys)
+    ids = jnp.asarray(_doc_ids())
+    ids_np = _doc_ids()
+    dense = jnp.asarray((ids_np[:, :, None] == ids_np[:, None, :])[:, None])
+    causal_fn, causal_name = plain_causal()
+    meta["plain_causal"] = causal_name
+    rows = []
+    extras = {"documents": ids, "documents_dense_mask": dense}
+    for name, fn in list(cases().items()) + [("causal", causal_fn)]:
+        pairs = _visible_pairs(name)
+        impls = {"fusedattn": fn}
+        if name == "documents_dense_mask":
+            impls["jax.nn cudnn, dense mask"] = lambda q, k, v, m: jax.nn.dot_product_attention(
+                q, k, v, mask=m, implementation="cudnn")
+        for mode in ("fwd", "fwd+bwd"):
+            row = {"case": name, "mode": mode, "visible": pairs / (B * H * S * S)}
+            flops = 4.0 * D * pairs * (3.5 if mode == "fwd+bwd" else 1.0)
+            calls = {}
+            for impl, f in impls.items():
+                why = warm_into(calls, impl, *_step(f, mode, q, k, v, do, extras.get(name)))
+                if why is not None:
+                    notes[f"{impl} {name} {mode}"] = why
+            time_row(row, calls, flops)
+            t = torch.get(name.replace("_dense_mask", ""), {}).get(mode)
+            if t:
+                row["torch-flex"] = flops / t / 1e12
+                row["torch-flex_ms"] = t * 1e3
+            rows.append(row)
+            print(f"  {name} {mode}: " + ", ".join(f"{i}={row[i]:.3g}" for i in row
+                                                   if isinstance(row[i], float)), flush=True)
+    causal = {r["mode"]: r.get("fusedattn") for r in rows if r["case"] == "causal"}
+    for r in rows:
+        ours = r.get("fusedattn")
+        if ours and r.get("torch-flex"):
+            r["x torch"] = ours / r["torch-flex"]
+        if ours and causal.get(r["mode"]):
+            r["x plain causal"] = ours / causal[r["mode"]]
+        if ours and r.get("jax.nn cudnn, dense mask"):
+            r["x jax.nn"] = ours / r["jax.nn cudnn, dense mask"]
+    print_table(rows, ["case", "mode", "fusedattn_ms", "fusedattn", "torch-flex_ms", "torch-flex",
+                       "x torch", "x plain causal", "jax.nn cudnn, dense mask_ms", "x jax.nn"])
+    meta["notes"] = notes
+    print(write_results(f"block_sparse_{device_slug(meta)}", rows, meta))
+
+
+if __name__ == "__main__":
+    run_main(main)

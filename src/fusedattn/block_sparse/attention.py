@@ -1,0 +1,137 @@
+"""`block_sparse_attention`: attention that runs only the blocks a `BlockMap` lists.
+
+On Hopper GPUs the Mosaic GPU kernels (`kernel_fwd`, `kernel_bwd`) run it;
+elsewhere (and with ``implementation="reference"``) the same list walks in plain
+JAX (`reference`). Both save the base-2 log-sum-exp for the backward, which
+walks the query-major lists for dq and the key-major lists for dk / dv.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import kernel_bwd, kernel_fwd, reference
+from .block_map import BlockMap
+from .kernel_mask import KernelMask, kernel_mask
+from .kernel_parts import BLOCK
+
+IMPLEMENTATIONS = ("mosaic", "reference")
+
+
+def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[float] = None,
+                           score_mod: Optional[Callable] = None,
+                           implementation: Optional[str] = None):
+    """Attention of q ``[b, s_q, h_q, d]`` over k, v ``[b, s_kv, h_kv, d]`` (bshd,
+    h_q a multiple of h_kv) where `block_map` says which pairs are visible;
+    ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites the scaled score (elementwise
+    JAX code; on GPU it runs inside the kernel). Rows with no visible key give 0.
+    Differentiable in q, k, v. `implementation`: "mosaic", "reference" or None
+    (mosaic on a Hopper GPU, else reference)."""
+    out, _ = _call(q, k, v, block_map, scale, score_mod, implementation)
+    return out
+
+
+def block_sparse_attention_with_lse(q, k, v, block_map: BlockMap, *, scale=None,
+                                    score_mod=None, implementation=None):
+    """(out, lse): lse is the fp32 natural log-sum-exp ``[b, h_q, s_q]`` (-inf on
+    rows with no visible key)."""
+    out, lse2 = _call(q, k, v, block_map, scale, score_mod, implementation)
+    return out, lse2 * math.log(2.0)
+
+
+def choose_implementation(q, implementation=None) -> str:
+    if implementation is not None:
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        return implementation
+    dev = jax.devices()[0]
+    hopper = dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
+    ok = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in (64, 128)
+    return "mosaic" if hopper and ok else "reference"
+
+
+def _call(q, k, v, bm, scale, score_mod, implementation):
+    _check(q, k, v, bm)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    impl = choose_implementation(q, implementation)
+    km = kernel_mask(bm.element)
+    fwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
+                      (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
+    bwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
+                      (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
+    ints = (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays, km.dense)
+    return _attention(km.fn, scale, score_mod, impl, q, k, v, ints)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attention(fn, scale, score_mod, impl, q, k, v, ints):
+    return _forward(fn, scale, score_mod, impl, q, k, v, ints)
+
+
+def _forward(fn, scale, score_mod, impl, q, k, v, ints):
+    fwd_lists, _, qa, ka, dense = ints
+    km = KernelMask(qa, ka, dense, fn)
+    if impl == "mosaic":
+        return kernel_fwd.forward(q, k, v, fwd_lists, km, scale=scale, score_mod=score_mod)
+    return reference.forward(q, k, v, fwd_lists, km, scale=scale, score_mod=score_mod)
+
+
+def _fwd(fn, scale, score_mod, impl, q, k, v, ints):
+    out, lse2 = _forward(fn, scale, score_mod, impl, q, k, v, ints)
+    return (out, lse2), (q, k, v, ints, out, lse2)
+
+
+def _bwd(fn, scale, score_mod, impl, res, cts):
+    q, k, v, ints, out, lse2 = res
+    do = cts[0].astype(q.dtype)
+    fwd_lists, bwd_lists, qa, ka, dense = ints
+    km = KernelMask(qa, ka, dense, fn)
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+    # +inf on rows with no visible key: their probabilities exp2(s - lse) are 0
+    lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
+    kw = dict(scale=scale, score_mod=score_mod)
+    if impl == "mosaic":
+        dq = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
+        km_t = km if dense is None else km._replace(dense=jnp.swapaxes(dense, -1, -2))
+        dk, dv = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km_t, **kw)
+    else:
+        dq = reference.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
+        dk, dv = reference.dkv(q, k, v, do, lse_delta, bwd_lists, km, **kw)
+    dk, dv = (_group_sum(x, k.shape[2]).astype(k.dtype) for x in (dk, dv))
+    zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), ints)
+    return dq, dk, dv, zeros
+
+
+_attention.defvjp(_fwd, _bwd)
+
+
+def _group_sum(x, h_kv):
+    """Per-query-head dk / dv [b, s, h_q, d] -> [b, s, h_kv, d] summed over each group."""
+    b, s, h, d = x.shape
+    if h == h_kv:
+        return x
+    return x.reshape(b, s, h_kv, h // h_kv, d).astype(jnp.float32).sum(3)
+
+
+def _check(q, k, v, bm: BlockMap):
+    if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
+        raise ValueError(f"q, k, v must be bshd with k.shape == v.shape, got {q.shape}, "
+                         f"{k.shape}, {v.shape}")
+    b, s_q, h_q, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d or h_q % k.shape[2]:
+        raise ValueError(f"k/v {k.shape} do not fit q {q.shape} (h_q must be a multiple of h_kv)")
+    if tuple(bm.block) != (BLOCK, BLOCK):
+        raise ValueError(f"block_sparse_attention needs a map of {BLOCK}x{BLOCK} blocks, "
+                         f"got {bm.block}")
+    if (bm.s_q, bm.s_kv) != (s_q, k.shape[1]):
+        raise ValueError(f"the map is for {bm.s_q}x{bm.s_kv}, q/k give {s_q}x{k.shape[1]}")
+    if s_q % BLOCK or k.shape[1] % BLOCK:
+        raise ValueError(f"sequence lengths must be multiples of {BLOCK}, got {s_q}, {k.shape[1]}")
+    mb, mh = bm.shape[:2]
+    if mb not in (1, b) or mh not in (1, h_q):
+        raise ValueError(f"the map's batch/head axes {bm.shape[:2]} do not fit b={b}, h_q={h_q}")

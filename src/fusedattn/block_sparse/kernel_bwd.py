@@ -1,0 +1,301 @@
+"""Block-sparse attention backward as two Pallas Mosaic GPU kernels (Hopper).
+
+`dq` walks the query-major lists (per 128-query tile, its key blocks) and `dkv`
+the key-major ones (per 128-key tile, its query blocks), so neither needs atomics
+and both are deterministic. Each step handles half a 128 block (64 rows), which
+keeps two 64x64 score tiles and the accumulators within the register budget.
+`lse_delta` is ``[B, H, 2, S]`` f32: the base-2 lse (+inf on rows with no key,
+so their probabilities are 0) and delta = rowsum(dO * O), computed in XLA.
+dk / dv come per query head; the caller sums a GQA group.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .kernel_mask import KernelMask
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, col_vector, cols_of, iota,
+                           logits, matmul_acc, matmul_t, row_vector, rows_of, smem_tiled, tile)
+
+HALF = BLOCK // 2
+
+
+def _unpack(refs, n_qa, n_ka, has_dense):
+    head, refs = refs[:5], list(refs[5:])
+    lists, refs = refs[:4], refs[4:]
+    qa = refs.pop(0) if n_qa else None
+    ka = refs.pop(0) if n_ka else None
+    dense = refs.pop(0) if has_dense else None
+    return head, lists, qa, ka, dense, refs
+
+
+def _run(body, out_type, scratch, grid, args, interpret):
+    kw = {} if interpret is None else {"interpret": interpret}
+    return plgpu.kernel(body, out_type=out_type, scratch_types=tuple(scratch), grid=grid,
+                        grid_names=("b", "h", "t"), num_threads=NWG + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(approx_math=True), **kw)(*args)
+
+
+def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=None,
+       interpret=None):
+    """dq [B, S, H, D] in q's dtype; `lists` are the query-major ones of the map."""
+    B, S, H, D = q.shape
+    group = H // k.shape[2]
+    dt = q.dtype
+    mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
+    qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
+    n_qa = 0 if qa is None else qa.shape[1]
+    n_ka = 0 if ka is None else ka.shape[1]
+    hw = interpret is None
+    shape = (ROWS, HALF)
+
+    def body(*refs):
+        (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, qa_ref, ka_ref, d_ref, refs = \
+            _unpack(refs, n_qa, n_ka, dense is not None)
+        dq_ref, q_smem, do_smem, ld_smem, k_smem, v_smem, *refs = refs
+        qa_smem = refs.pop(0) if n_qa else None
+        ka_smem = refs.pop(0) if n_ka else None
+        d_smem = refs.pop(0) if dense is not None else None
+        in_ready, k_ready, v_ready, ka_ready, free, d_ready = refs
+
+        b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
+        h_kv = h // group
+        walk = Lists(list_refs, b, h, t, mb, mh)
+        steps = 2 * walk.count                      # two key halves per listed block
+
+        @pl.when(wg < NWG)
+        def _compute():
+            if hw:
+                plgpu.set_max_registers(232, action="increase")
+            q0 = t * BLOCK + wg * ROWS
+            rows = pl.ds(q0, ROWS)
+            qw, dow = q_smem.at[wg], do_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], qw, in_ready.at[wg * 4 + 0])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], dow, in_ready.at[wg * 4 + 1])
+            plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[wg], in_ready.at[wg * 4 + 2])
+            if n_qa:
+                plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, rows],
+                                        qa_smem.at[wg], in_ready.at[wg * 4 + 3])
+                plgpu.barrier_wait(in_ready.at[wg * 4 + 3])
+            for x in range(3):
+                plgpu.barrier_wait(in_ready.at[wg * 4 + x])
+            lse = row_vector(ld_smem.at[wg, 0], interpret)
+            delta = row_vector(ld_smem.at[wg, 1], interpret)
+            q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
+
+            def step(s_i, acc):
+                slot = lax.rem(s_i, NSTAGE)
+                j, partial = walk.entry(s_i // 2)
+                k0 = j * BLOCK + lax.rem(s_i, 2) * HALF
+                plgpu.barrier_wait(k_ready.at[slot])
+                if n_ka:
+                    plgpu.barrier_wait(ka_ready.at[slot])
+                s = matmul_t(qw, k_smem.at[slot], shape, interpret)
+                q_pos = lambda: iota(shape, 0, q0)
+                kv_pos = lambda: iota(shape, 1, k0)
+
+                def visible():
+                    qv = [rows_of(x, shape) for x in q_vals]
+                    kvv = [cols_of(col_vector(ka_smem.at[slot, r], interpret), shape)
+                           for r in range(n_ka)]
+                    d = None
+                    if dense is not None:
+                        at = (b if dense.shape[0] > 1 else 0, h if dense.shape[1] > 1 else 0)
+                        plgpu.copy_gmem_to_smem(d_ref.at[at + (rows, pl.ds(k0, HALF))],
+                                                d_smem.at[wg], d_ready.at[wg])
+                        plgpu.barrier_wait(d_ready.at[wg])
+                        d = tile(d_smem.at[wg], interpret) != 0
+                    return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
+
+                s, dmod = logits(s, scale=scale, score_mod=score_mod, b=b, h=h, q=q_pos,
+                                 kv=kv_pos, partial=partial, visible=visible, with_grad=True)
+                p = jnp.exp2(s - rows_of(lse, shape))
+                plgpu.barrier_wait(v_ready.at[slot])
+                dp = matmul_t(dow, v_smem.at[slot], shape, interpret)
+                ds = p * (dp - rows_of(delta, shape))
+                if dmod is not None:
+                    ds = ds * dmod
+                acc = matmul_acc(acc, ds.astype(dt), k_smem.at[slot], interpret)
+                plgpu.barrier_arrive(free.at[slot])
+                return acc
+
+            acc = lax.fori_loop(0, steps, step, jnp.zeros((ROWS, D), F32))
+            qw[...] = (acc * scale).astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qw, dq_ref.at[b, rows, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == NWG)
+        def _tma():
+            if hw:
+                plgpu.set_max_registers(40, action="decrease")
+
+            def issue(s_i, _):
+                slot = lax.rem(s_i, NSTAGE)
+                j, _ = walk.entry(s_i // 2)
+                keys = pl.ds(j * BLOCK + lax.rem(s_i, 2) * HALF, HALF)
+                pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
+                plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], k_smem.at[slot], k_ready.at[slot])
+                if n_ka:
+                    plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, keys],
+                                            ka_smem.at[slot], ka_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], v_smem.at[slot], v_ready.at[slot])
+            lax.fori_loop(0, steps, issue, None)
+            lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
+                          lambda s_i, _: plgpu.barrier_wait(free.at[lax.rem(s_i, NSTAGE)]), None)
+
+    scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NWG, ROWS, D), dt),
+               plgpu.SMEM((NWG, 2, ROWS), F32),
+               smem_tiled((NSTAGE, HALF, D), dt), smem_tiled((NSTAGE, HALF, D), dt)]
+    if n_qa:
+        scratch.append(plgpu.SMEM((NWG, n_qa, ROWS), jnp.int32))
+    if n_ka:
+        scratch.append(plgpu.SMEM((NSTAGE, n_ka, HALF), jnp.int32))
+    if dense is not None:
+        scratch.append(plgpu.SMEM((NWG, ROWS, HALF), jnp.int16))
+    scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
+                plgpu.Barrier(num_barriers=NWG)]
+    extra = [x for x in (qa, ka, dense) if x is not None]
+    return _run(body, jax.ShapeDtypeStruct(q.shape, dt), scratch, (B, H, S // BLOCK),
+                (q, k, v, do, lse_delta, *lists, *extra), interpret)
+
+
+def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=None,
+        interpret=None):
+    """(dk, dv) [B, S_kv, H, D] per query head, in k's dtype; `lists` are the
+    key-major ones of the map (q_num_blocks, q_indices, full_q_*). A dense mask term
+    must come transposed: [B|1, H|1, S_kv, S_q]."""
+    B, S, H, D = q.shape
+    S_kv = k.shape[1]
+    group = H // k.shape[2]
+    dt = q.dtype
+    mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
+    qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
+    n_qa = 0 if qa is None else qa.shape[1]
+    n_ka = 0 if ka is None else ka.shape[1]
+    hw = interpret is None
+    shape = (ROWS, HALF)                  # rows: keys, columns: queries
+
+    def body(*refs):
+        (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, qa_ref, ka_ref, d_ref, refs = \
+            _unpack(refs, n_qa, n_ka, dense is not None)
+        dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, ld_smem, *refs = refs
+        qa_smem = refs.pop(0) if n_qa else None
+        ka_smem = refs.pop(0) if n_ka else None
+        d_smem = refs.pop(0) if dense is not None else None
+        in_ready, q_ready, do_ready, ld_ready, qa_ready, free, d_ready = refs
+
+        b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
+        h_kv = h // group
+        walk = Lists(list_refs, b, h, t, mb, mh)
+        steps = 2 * walk.count                      # two query halves per listed block
+
+        @pl.when(wg < NWG)
+        def _compute():
+            if hw:
+                plgpu.set_max_registers(232, action="increase")
+            k0 = t * BLOCK + wg * ROWS
+            keys = pl.ds(k0, ROWS)
+            kw_, vw = k_smem.at[wg], v_smem.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], kw_, in_ready.at[wg * 4 + 0])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], vw, in_ready.at[wg * 4 + 1])
+            if n_ka:
+                plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, keys],
+                                        ka_smem.at[wg], in_ready.at[wg * 4 + 2])
+                plgpu.barrier_wait(in_ready.at[wg * 4 + 2])
+            plgpu.barrier_wait(in_ready.at[wg * 4 + 0])
+            plgpu.barrier_wait(in_ready.at[wg * 4 + 1])
+            kv_vals = [row_vector(ka_smem.at[wg, r], interpret) for r in range(n_ka)]
+
+            def step(s_i, carry):
+                dk, dv = carry
+                slot = lax.rem(s_i, NSTAGE)
+                j, partial = walk.entry(s_i // 2)
+                q0 = j * BLOCK + lax.rem(s_i, 2) * HALF
+                plgpu.barrier_wait(q_ready.at[slot])
+                plgpu.barrier_wait(ld_ready.at[slot])
+                if n_qa:
+                    plgpu.barrier_wait(qa_ready.at[slot])
+                st = matmul_t(kw_, q_smem.at[slot], shape, interpret)
+                q_pos = lambda: iota(shape, 1, q0)
+                kv_pos = lambda: iota(shape, 0, k0)
+
+                def visible():
+                    qv = [cols_of(col_vector(qa_smem.at[slot, r], interpret), shape)
+                          for r in range(n_qa)]
+                    kvv = [rows_of(x, shape) for x in kv_vals]
+                    d = None
+                    if dense is not None:
+                        at = (b if dense.shape[0] > 1 else 0, h if dense.shape[1] > 1 else 0)
+                        plgpu.copy_gmem_to_smem(d_ref.at[at + (keys, pl.ds(q0, HALF))],
+                                                d_smem.at[wg], d_ready.at[wg])
+                        plgpu.barrier_wait(d_ready.at[wg])
+                        d = tile(d_smem.at[wg], interpret) != 0
+                    return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
+
+                st, dmod = logits(st, scale=scale, score_mod=score_mod, b=b, h=h, q=q_pos,
+                                  kv=kv_pos, partial=partial, visible=visible, with_grad=True)
+                pt = jnp.exp2(st - cols_of(col_vector(ld_smem.at[slot, 0], interpret), shape))
+                plgpu.barrier_wait(do_ready.at[slot])
+                dv = matmul_acc(dv, pt.astype(dt), do_smem.at[slot], interpret)
+                dpt = matmul_t(vw, do_smem.at[slot], shape, interpret)
+                dst = pt * (dpt - cols_of(col_vector(ld_smem.at[slot, 1], interpret), shape))
+                if dmod is not None:
+                    dst = dst * dmod
+                dk = matmul_acc(dk, dst.astype(dt), q_smem.at[slot], interpret)
+                plgpu.barrier_arrive(free.at[slot])
+                return dk, dv
+
+            zero = jnp.zeros((ROWS, D), F32)
+            dk, dv = lax.fori_loop(0, steps, step, (zero, zero))
+            kw_[...] = (dk * scale).astype(dt)
+            vw[...] = dv.astype(dt)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(kw_, dk_ref.at[b, keys, h])
+            plgpu.copy_smem_to_gmem(vw, dv_ref.at[b, keys, h])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == NWG)
+        def _tma():
+            if hw:
+                plgpu.set_max_registers(40, action="decrease")
+
+            def issue(s_i, _):
+                slot = lax.rem(s_i, NSTAGE)
+                j, _ = walk.entry(s_i // 2)
+                rows = pl.ds(j * BLOCK + lax.rem(s_i, 2) * HALF, HALF)
+                pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
+                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[slot],
+                                        ld_ready.at[slot])
+                if n_qa:
+                    plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, rows],
+                                            qa_smem.at[slot], qa_ready.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
+            lax.fori_loop(0, steps, issue, None)
+            lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
+                          lambda s_i, _: plgpu.barrier_wait(free.at[lax.rem(s_i, NSTAGE)]), None)
+
+    scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NWG, ROWS, D), dt),
+               smem_tiled((NSTAGE, HALF, D), dt), smem_tiled((NSTAGE, HALF, D), dt),
+               plgpu.SMEM((NSTAGE, 2, HALF), F32)]
+    if n_qa:
+        scratch.append(plgpu.SMEM((NSTAGE, n_qa, HALF), jnp.int32))
+    if n_ka:
+        scratch.append(plgpu.SMEM((NWG, n_ka, ROWS), jnp.int32))
+    if dense is not None:
+        scratch.append(plgpu.SMEM((NWG, ROWS, HALF), jnp.int16))
+    scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
+                plgpu.Barrier(num_barriers=NWG)]
+    extra = [x for x in (qa, ka, dense) if x is not None]
+    out = jax.ShapeDtypeStruct((B, S_kv, H, D), dt)
+    return _run(body, (out, out), scratch, (B, H, S_kv // BLOCK),
+                (q, k, v, do, lse_delta, *lists, *extra), interpret)

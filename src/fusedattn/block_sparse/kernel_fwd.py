@@ -1,0 +1,193 @@
+"""Block-sparse attention forward as a Pallas Mosaic GPU kernel (Hopper).
+
+One CTA per (batch, head, 128-query tile): two compute warpgroups of 64 rows and
+one TMA warpgroup that streams the K/V blocks the tile's lists name. Empty blocks
+are never loaded; full blocks skip the mask; partial blocks evaluate the exact
+element mask from positions and small per-row / per-block arrays. The two
+compute warpgroups take turns on the tensor cores (a schedule barrier), so one's
+softmax overlaps the other's matmuls.
+
+Returns out and the base-2 log-sum-exp (-inf on rows with no visible key, whose
+output is 0).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .kernel_mask import KernelMask
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, cols_of, iota, logits,
+                           matmul_acc, matmul_t, row_vector, rows_of, smem_tiled, tile,
+                           col_vector)
+
+
+def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score_mod=None,
+            interpret=None):
+    """q [B, S, H, D], k/v [B, S_kv, H_kv, D]; `lists` = (kv_num_blocks, kv_indices,
+    full_kv_num_blocks, full_kv_indices) of a 128x128 map. -> (out, lse2 [B, H, S])."""
+    B, S, H, D = q.shape
+    H_kv = k.shape[2]
+    group = H // H_kv
+    dt = q.dtype
+    n_tiles = S // BLOCK
+    mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
+    qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
+    n_qa = 0 if qa is None else qa.shape[1]
+    n_ka = 0 if ka is None else ka.shape[1]
+    extra = [x for x in (qa, ka, dense) if x is not None]
+    hw = interpret is None
+
+    def body(*refs):
+        q_ref, k_ref, v_ref, *refs = refs
+        list_refs, refs = refs[:4], refs[4:]
+        qa_ref = refs.pop(0) if n_qa else None
+        ka_ref = refs.pop(0) if n_ka else None
+        d_ref = refs.pop(0) if dense is not None else None
+        o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
+        qa_smem = refs.pop(0) if n_qa else None
+        ka_smem = refs.pop(0) if n_ka else None
+        d_smem = refs.pop(0) if dense is not None else None
+        q_ready, k_ready, v_ready, k_free, v_free, sched, a_ready, ka_ready, d_ready = refs
+
+        b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
+        t = n_tiles - 1 - t                       # heavy (late causal) tiles first
+        h_kv = h // group
+        walk = Lists(list_refs, b, h, t, mb, mh)
+        n = walk.count
+
+        def sched_sync():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < NWG)
+        def _compute():
+            if hw:
+                plgpu.set_max_registers(232, action="increase")
+            q0 = t * BLOCK + wg * ROWS
+            qw = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), h], qw, q_ready.at[wg])
+            if n_qa:
+                plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, pl.ds(q0, ROWS)],
+                                        qa_smem.at[wg], a_ready.at[wg])
+                plgpu.barrier_wait(a_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            shape = (ROWS, BLOCK)
+            q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
+            if hw:
+                pl.when(wg == 1)(sched_sync)
+
+            def step(i, carry):
+                acc, m, l = carry
+                slot = lax.rem(i, NSTAGE)
+                j, partial = walk.entry(i)
+                plgpu.barrier_wait(k_ready.at[slot])
+                if n_ka:
+                    plgpu.barrier_wait(ka_ready.at[slot])
+                s = matmul_t(qw, k_smem.at[slot], shape, interpret, sched_sync if hw else None)
+                if not n_ka:
+                    plgpu.barrier_arrive(k_free.at[slot])
+                q_pos = lambda: iota(shape, 0, q0)
+                kv_pos = lambda: iota(shape, 1, j * BLOCK)
+
+                def visible():
+                    qv = [rows_of(x, shape) for x in q_vals]
+                    kvv = [cols_of(col_vector(ka_smem.at[slot, r], interpret), shape)
+                           for r in range(n_ka)]
+                    d = None
+                    if dense is not None:
+                        at = (b if dense.shape[0] > 1 else 0, h if dense.shape[1] > 1 else 0)
+                        plgpu.copy_gmem_to_smem(
+                            d_ref.at[at + (pl.ds(q0, ROWS), pl.ds(j * BLOCK, BLOCK))],
+                            d_smem.at[wg], d_ready.at[wg])
+                        plgpu.barrier_wait(d_ready.at[wg])
+                        d = tile(d_smem.at[wg], interpret) != 0
+                    return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
+
+                s, _ = logits(s, scale=scale, score_mod=score_mod, b=b, h=h, q=q_pos,
+                              kv=kv_pos, partial=partial, visible=visible)
+                if n_ka:
+                    plgpu.barrier_arrive(k_free.at[slot])
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no -inf - -inf
+                alpha = jnp.exp2(m - m_safe)
+                p = jnp.exp2(s - rows_of(m_safe, shape))
+                acc = acc * rows_of(alpha, acc.shape)
+                l = l * alpha + p.sum(axis=1)
+                p = p.astype(dt)
+                if hw:
+                    acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+                    plgpu.barrier_arrive(sched)            # softmax done
+                plgpu.barrier_wait(v_ready.at[slot])
+                if hw:
+                    plgpu.barrier_wait(sched)              # tensor cores ours
+                acc = matmul_acc(acc, p, v_smem.at[slot], interpret)
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            init = (jnp.zeros((ROWS, D), F32), jnp.full((ROWS,), -jnp.inf, F32),
+                    jnp.zeros((ROWS,), F32))
+            acc, m, l = lax.fori_loop(0, n, step, init)
+            if hw:
+                pl.when(wg == 0)(sched_sync)
+            empty = l == 0.0
+            l_safe = jnp.where(empty, 1.0, l)
+            qw[...] = (acc / rows_of(l_safe, acc.shape)).astype(dt)
+            lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qw, o_ref.at[b, pl.ds(q0, ROWS), h])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == NWG)
+        def _tma():
+            if hw:
+                plgpu.set_max_registers(40, action="decrease")
+
+            def issue(i, _):
+                slot = lax.rem(i, NSTAGE)
+                j, _ = walk.entry(i)
+                rows = pl.ds(j * BLOCK, BLOCK)
+                pl.when(i >= NSTAGE)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h_kv], k_smem.at[slot], k_ready.at[slot])
+                if n_ka:
+                    plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, rows],
+                                            ka_smem.at[slot], ka_ready.at[slot])
+                pl.when(i >= NSTAGE)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h_kv], v_smem.at[slot], v_ready.at[slot])
+            lax.fori_loop(0, n, issue, None)
+
+            def drain(i, _):   # take the last arrivals so every barrier ends balanced
+                slot = lax.rem(i, NSTAGE)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+            lax.fori_loop(jnp.maximum(n - NSTAGE, 0), n, drain, None)
+
+    scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NSTAGE, BLOCK, D), dt),
+               smem_tiled((NSTAGE, BLOCK, D), dt), plgpu.SMEM((NWG, ROWS), F32)]
+    if n_qa:
+        scratch.append(plgpu.SMEM((NWG, n_qa, ROWS), jnp.int32))
+    if n_ka:
+        scratch.append(plgpu.SMEM((NSTAGE, n_ka, BLOCK), jnp.int32))
+    if dense is not None:
+        scratch.append(plgpu.SMEM((NWG, ROWS, BLOCK), jnp.int16))
+    scratch += [plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
+                plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
+                plgpu.Barrier(num_arrivals=NWG), plgpu.Barrier(num_barriers=NWG),
+                plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NWG)]
+    kw = {} if interpret is None else {"interpret": interpret}
+    return plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((B, H, S), F32)),
+        scratch_types=tuple(scratch),
+        grid=(B, H, n_tiles), grid_names=("b", "h", "t"),
+        num_threads=NWG + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **kw,
+    )(q, k, v, *lists, *extra)

@@ -1,0 +1,86 @@
+"""The element mask in the form a kernel evaluates inside a partial block.
+
+A kernel cannot gather, so each term of an `ElementMask` becomes per-row arrays
+(read once per query tile), per-column arrays (read with each key block), a
+dense tile, or a pure function of positions. ``fn(b, h, q, kv, q_vals, kv_vals,
+dense)`` then works on any broadcasting shapes: 2-D position tiles inside the
+Mosaic kernels, ``[R, 1]`` / ``[1, C]`` in the jnp reference.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, NamedTuple, Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from .terms import Dense, ElementMask, Intervals, MaskMod, Segments
+
+
+class Unsupported(ValueError):
+    """The mask has a term no kernel evaluates (the message says which and why)."""
+
+
+class KernelMask(NamedTuple):
+    q_arrays: Optional[jnp.ndarray]   # int32 [B|1, n, s_q] or None
+    kv_arrays: Optional[jnp.ndarray]  # int32 [B|1, n, s_kv] or None
+    dense: Optional[jnp.ndarray]      # int16 [B|1, H|1, s_q, s_kv] or None
+    fn: Callable                      # (b, h, q, kv, q_vals, kv_vals, dense) -> bool
+
+
+def kernel_mask(element: ElementMask) -> KernelMask:
+    q_arrays: List = []
+    kv_arrays: List = []
+    parts: List[Callable] = []
+    dense = None
+    for term in element.terms:
+        if isinstance(term, Intervals):
+            a = len(q_arrays)
+            q_arrays += [term.lo, term.hi]
+            parts.append(lambda b, h, q, kv, qv, kvv, d, a=a: (kv >= qv[a]) & (kv <= qv[a + 1]))
+        elif isinstance(term, Segments):
+            a, c, pad = len(q_arrays), len(kv_arrays), term.pad_id
+            q_arrays.append(term.q_ids)
+            kv_arrays.append(term.kv_ids)
+
+            def seg(b, h, q, kv, qv, kvv, d, a=a, c=c, pad=pad):
+                same = qv[a] == kvv[c]
+                return same if pad is None else same & (qv[a] != pad)
+            parts.append(seg)
+        elif isinstance(term, MaskMod):
+            if term.reads.args:
+                raise Unsupported("a mask_mod that reads arrays has no in-kernel form yet")
+            fn, args = term.fn, term.without_args().args
+            if term.q_pos is None:
+                parts.append(lambda b, h, q, kv, qv, kvv, d, fn=fn, args=args:
+                             fn(b, h, q, kv, *args))
+            else:
+                a, c = len(q_arrays), len(kv_arrays)
+                q_arrays.append(term.q_pos)
+                kv_arrays.append(term.kv_pos)
+                parts.append(lambda b, h, q, kv, qv, kvv, d, fn=fn, args=args, a=a, c=c:
+                             fn(b, h, qv[a], kvv[c], *args))
+        elif isinstance(term, Dense):
+            if dense is not None:
+                raise Unsupported("more than one dense mask term")
+            dense = jnp.asarray(term.mask).astype(jnp.int16)
+            parts.append(lambda b, h, q, kv, qv, kvv, d: d)
+        else:
+            raise Unsupported(f"no in-kernel form for mask term {type(term).__name__}")
+
+    def fn(b, h, q, kv, qv, kvv, d):
+        visible = None
+        for p in parts:
+            x = p(b, h, q, kv, qv, kvv, d)
+            visible = x if visible is None else visible & x
+        return jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(kv)), bool) \
+            if visible is None else visible
+    return KernelMask(_stack(q_arrays), _stack(kv_arrays), dense, fn)
+
+
+def _stack(arrays):
+    """int32 [B|1, n, s] (batch broadcast to the largest), or None."""
+    if not arrays:
+        return None
+    batch = max(np.shape(a)[0] for a in arrays)
+    rows = [jnp.broadcast_to(jnp.asarray(a, jnp.int32), (batch, np.shape(a)[1])) for a in arrays]
+    return jnp.stack(rows, axis=1)

@@ -1,0 +1,111 @@
+"""Pieces shared by the Mosaic GPU block-sparse kernels (forward, dq, dkv).
+
+Every kernel walks one tile's list of blocks: first its partial blocks, then its
+full ones (two lists of the `BlockMap`, read as scalars from GMEM, so no merged
+list is built per call). With ``interpret`` set the matrix products become
+``jnp.dot`` and vector loads plain reads, because the GPU interpreter on CPU has
+no wgmma with a transposed or register operand and no layout casts.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+F32 = jnp.float32
+# Two compute warpgroups of 64 rows own a 128-row tile: the map's block size.
+BLOCK, ROWS, NWG, NSTAGE = 128, 64, 2, 2
+
+
+def smem_tiled(shape, dtype):
+    """SMEM that wgmma and TMA read without bank conflicts (128-byte rows)."""
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                 plgpu.SwizzleTransform(128)))
+
+
+def matmul_t(a_ref, b_ref, shape, interpret, between=None):
+    """a @ b.T (both SMEM refs) as an f32 value; `between` runs while the wgmma is in flight."""
+    if interpret:
+        return jnp.dot(a_ref[...], b_ref[...].T, preferred_element_type=F32)
+
+    def run(acc):
+        plgpu.wgmma(acc, a_ref, b_ref.T)
+        if between is not None:
+            between()
+        return acc[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, F32))
+
+
+def matmul_acc(acc, a, b_ref, interpret):
+    """acc + a @ b (a: registers, b: SMEM ref)."""
+    if interpret:
+        return acc + jnp.dot(a, b_ref[...], preferred_element_type=F32)
+    return pl.run_state(lambda r: plgpu.wgmma(r, a, b_ref))(plgpu.ACC.init(acc))
+
+
+def row_vector(ref, interpret):
+    """A 1-D SMEM vector laid out along the rows of a wgmma tile."""
+    return ref[...] if interpret else plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
+
+
+def col_vector(ref, interpret):
+    """A 1-D SMEM vector laid out along the columns of a wgmma tile."""
+    return ref[...] if interpret else plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
+
+
+def tile(ref, interpret):
+    return ref[...] if interpret else plgpu.load(ref, layout=plgpu.Layout.WGMMA)
+
+
+def rows_of(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def cols_of(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def iota(shape, dim, start):
+    return start + lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+class Lists:
+    """One tile's walk: entry i < count_partial is partial block idx_p[i], the rest
+    full blocks idx_f[i - count_partial]."""
+
+    def __init__(self, refs, b, h, t, mb, mh):
+        self.cp_ref, self.ip_ref, self.cf_ref, self.if_ref = refs
+        self.at = (b if mb else 0, h if mh else 0, t)
+        self.n_partial = self.cp_ref[self.at]
+        self.count = self.n_partial + self.cf_ref[self.at]
+        self.width = self.ip_ref.shape[-1]
+
+    def entry(self, i):
+        """(block index, is_partial) of entry i."""
+        partial = i < self.n_partial
+        jp = self.ip_ref[self.at + (jnp.minimum(i, self.width - 1),)]
+        jf = self.if_ref[self.at + (jnp.clip(i - self.n_partial, 0, self.width - 1),)]
+        return jnp.where(partial, jp, jf), partial
+
+
+def logits(s, *, scale, score_mod, b, h, q, kv, partial, visible, with_grad=False):
+    """Raw q.k -> base-2 logits, -inf where masked. `visible()` evaluates the element
+    mask; it runs only in partial blocks. With `with_grad`, also d score_mod / d score."""
+    d = None
+    if score_mod is None:
+        s = s * (scale * LOG2E)
+    else:
+        x = s * scale
+        f = lambda x: score_mod(x, b, h, q(), kv()).astype(F32)
+        if with_grad:
+            y, d = jax.jvp(f, (x,), (jnp.ones_like(x),))
+        else:
+            y = f(x)
+        s = y * LOG2E
+    s = lax.cond(partial, lambda s: jnp.where(visible(), s, -jnp.inf), lambda s: s, s)
+    return s, d

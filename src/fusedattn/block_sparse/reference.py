@@ -1,0 +1,154 @@
+"""The block-sparse kernels' maths in plain JAX: the same list walks, block by
+block, with the same signatures as `kernel_fwd.forward`, `kernel_bwd.dq` and
+`kernel_bwd.dkv`. It runs anywhere (CPU CI tests the list logic with it) and is
+the path used where the Mosaic GPU kernels do not run.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .kernel_mask import KernelMask
+from .kernel_parts import BLOCK, F32, LOG2E
+
+
+def _walk(lists, b, h, t):
+    cp, ip, cf, if_ = (x[b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0, t]
+                       for x in lists)
+
+    def entry(i):
+        w = ip.shape[-1]
+        j = jnp.where(i < cp, ip[jnp.minimum(i, w - 1)], if_[jnp.clip(i - cp, 0, w - 1)])
+        return j, i < cp
+    return cp + cf, entry
+
+
+def _vals(arrays, b, start, axis):
+    """Mask arrays' values for BLOCK positions from `start`, as rows (axis 0) or columns."""
+    if arrays is None:
+        return []
+    a = lax.dynamic_slice_in_dim(arrays[b if arrays.shape[0] > 1 else 0], start, BLOCK, axis=1)
+    return [x[:, None] if axis == 0 else x[None, :] for x in a]
+
+
+def _logits(qt, kt, *, kmask, scale, score_mod, b, h, q0, k0, partial):
+    """Base-2 logits of one (query block, key block) pair, -inf where masked, and
+    d score_mod / d score (None without one)."""
+    q = q0 + jnp.arange(BLOCK)[:, None]
+    kv = k0 + jnp.arange(BLOCK)[None, :]
+    s = jnp.dot(qt, kt.T, preferred_element_type=F32) * scale
+    d = None
+    if score_mod is not None:
+        s, d = jax.jvp(lambda x: score_mod(x, b, h, q, kv).astype(F32), (s,), (jnp.ones_like(s),))
+    qv, kvv = _vals(kmask.q_arrays, b, q0, 0), _vals(kmask.kv_arrays, b, k0, 1)
+    dense = None
+    if kmask.dense is not None:
+        m = kmask.dense[b if kmask.dense.shape[0] > 1 else 0, h if kmask.dense.shape[1] > 1 else 0]
+        dense = lax.dynamic_slice(m, (q0, k0), (BLOCK, BLOCK)) != 0
+    visible = kmask.fn(b, h, q, kv, qv, kvv, dense) | jnp.logical_not(partial)
+    return jnp.where(visible, s * LOG2E, -jnp.inf), d
+
+
+def _grid(fn, B, H, T):
+    return jax.vmap(jax.vmap(jax.vmap(fn, (None, None, 0)), (None, 0, None)), (0, None, None))(
+        jnp.arange(B), jnp.arange(H), jnp.arange(T))
+
+
+def forward(q, k, v, lists, kmask: KernelMask, *, scale, score_mod=None):
+    B, S, H, D = q.shape
+    group = H // k.shape[2]
+
+    def tile(b, h, t):
+        n, entry = _walk(lists, b, h, t)
+        q0 = t * BLOCK
+        qt = lax.dynamic_slice_in_dim(q[b, :, h], q0, BLOCK)
+
+        def step(i, carry):
+            acc, m, l = carry
+            j, partial = entry(i)
+            kt = lax.dynamic_slice_in_dim(k[b, :, h // group], j * BLOCK, BLOCK)
+            vt = lax.dynamic_slice_in_dim(v[b, :, h // group], j * BLOCK, BLOCK)
+            s, _ = _logits(qt, kt, kmask=kmask, scale=scale, score_mod=score_mod, b=b, h=h,
+                           q0=q0, k0=j * BLOCK, partial=partial)
+            m_new = jnp.maximum(m, s.max(1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(s - m_safe[:, None])
+            acc = acc * alpha[:, None] + jnp.dot(p.astype(q.dtype), vt, preferred_element_type=F32)
+            return acc, m_new, l * alpha + p.sum(1)
+
+        acc, m, l = lax.fori_loop(0, n, step, (jnp.zeros((BLOCK, D), F32),
+                                               jnp.full((BLOCK,), -jnp.inf, F32),
+                                               jnp.zeros((BLOCK,), F32)))
+        empty = l == 0
+        l_safe = jnp.where(empty, 1.0, l)
+        return (acc / l_safe[:, None]).astype(q.dtype), jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
+
+    out, lse = _grid(tile, B, H, S // BLOCK)          # [B, H, T, BLOCK, D], [B, H, T, BLOCK]
+    return out.reshape(B, H, S, D).transpose(0, 2, 1, 3), lse.reshape(B, H, S)
+
+
+def _probs(qt, kt, dot, vt, lse, delta, **kw):
+    s, d = _logits(qt, kt, **kw)
+    p = jnp.exp2(s - lse[:, None])
+    dp = jnp.dot(dot, vt.T, preferred_element_type=F32)
+    ds = p * (dp - delta[:, None])
+    return p, ds if d is None else ds * d
+
+
+def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=None):
+    B, S, H, D = q.shape
+    group = H // k.shape[2]
+
+    def tile(b, h, t):
+        n, entry = _walk(lists, b, h, t)
+        q0 = t * BLOCK
+        rows = lambda x: lax.dynamic_slice_in_dim(x, q0, BLOCK)
+        qt, dot = rows(q[b, :, h]), rows(do[b, :, h])
+        lse, delta = rows(lse_delta[b, h, 0]), rows(lse_delta[b, h, 1])
+
+        def step(i, acc):
+            j, partial = entry(i)
+            kt = lax.dynamic_slice_in_dim(k[b, :, h // group], j * BLOCK, BLOCK)
+            vt = lax.dynamic_slice_in_dim(v[b, :, h // group], j * BLOCK, BLOCK)
+            _, ds = _probs(qt, kt, dot, vt, lse, delta, kmask=kmask, scale=scale,
+                           score_mod=score_mod, b=b, h=h, q0=q0, k0=j * BLOCK, partial=partial)
+            return acc + jnp.dot(ds.astype(q.dtype), kt, preferred_element_type=F32)
+
+        return (lax.fori_loop(0, n, step, jnp.zeros((BLOCK, D), F32)) * scale).astype(q.dtype)
+
+    return _grid(tile, B, H, S // BLOCK).reshape(B, H, S, D).transpose(0, 2, 1, 3)
+
+
+def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=None):
+    """Per query head, like the kernel; `kmask` is the forward's (not transposed)."""
+    B, S, H, D = q.shape
+    S_kv = k.shape[1]
+    group = H // k.shape[2]
+
+    def tile(b, h, t):
+        n, entry = _walk(lists, b, h, t)
+        k0 = t * BLOCK
+        kt = lax.dynamic_slice_in_dim(k[b, :, h // group], k0, BLOCK)
+        vt = lax.dynamic_slice_in_dim(v[b, :, h // group], k0, BLOCK)
+
+        def step(i, carry):
+            dk, dv = carry
+            j, partial = entry(i)
+            rows = lambda x: lax.dynamic_slice_in_dim(x, j * BLOCK, BLOCK)
+            qt, dot = rows(q[b, :, h]), rows(do[b, :, h])
+            p, ds = _probs(qt, kt, dot, vt, rows(lse_delta[b, h, 0]), rows(lse_delta[b, h, 1]),
+                           kmask=kmask, scale=scale, score_mod=score_mod, b=b, h=h,
+                           q0=j * BLOCK, k0=k0, partial=partial)
+            dv = dv + jnp.dot(p.T.astype(q.dtype), dot, preferred_element_type=F32)
+            dk = dk + jnp.dot(ds.T.astype(q.dtype), qt, preferred_element_type=F32)
+            return dk, dv
+
+        zero = jnp.zeros((BLOCK, D), F32)
+        dk, dv = lax.fori_loop(0, n, step, (zero, zero))
+        return (dk * scale).astype(q.dtype), dv.astype(q.dtype)
+
+    dk, dv = _grid(tile, B, H, S_kv // BLOCK)
+    fix = lambda x: x.reshape(B, H, S_kv, D).transpose(0, 2, 1, 3)
+    return fix(dk), fix(dv)

@@ -1,0 +1,98 @@
+"""Mask families and the float64 oracle shared by the block-sparse attention tests."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fusedattn import block_sparse as bs
+
+
+def doc_ids(b, s, lengths):
+    """Document ids [b, s] from lengths (cycled to fill s), shuffled per row so ids
+    are not sorted: the map must not assume order."""
+    ids, d, pos = np.zeros((b, s), np.int32), 1, 0
+    i = 0
+    while pos < s:
+        n = lengths[i % len(lengths)]
+        ids[:, pos:pos + n] = d
+        pos, d, i = pos + n, d + 1, i + 1
+    perm = np.random.default_rng(0).permutation(ids.max() + 1)
+    perm[0] = 0
+    return perm[ids].astype(np.int32) + 1
+
+
+def block_map(family: str, b: int, h: int, s: int):
+    """(map, name) of one mask family at b x h x s x s."""
+    if family == "causal":
+        return bs.block_map(lambda b_, h_, i, j: j <= i, s_q=s, s_kv=s)
+    if family == "sliding_window":
+        return bs.block_map(lambda b_, h_, i, j: (j <= i) & (i - j < s // 4), s_q=s, s_kv=s)
+    if family == "prefix_lm":
+        return bs.block_map(lambda b_, h_, i, j: (j <= i) | (j < s // 4), s_q=s, s_kv=s)
+    if family == "documents":
+        return bs.from_segment_ids(jnp.asarray(doc_ids(b, s, [s // 8, s // 4, s // 8 + 40])))
+    if family == "documents_causal":
+        return bs.from_segment_ids(jnp.asarray(doc_ids(b, s, [s // 4, 3 * s // 8])),
+                                   mask="causal")
+    if family == "head_dependent":
+        return bs.block_map(lambda b_, h_, i, j: (j <= i) & (i - j < 64 * (h_ + 1)), b, h, s, s)
+    if family == "builtin_window":
+        return bs.from_builtin(s, mask="causal", window=(s // 3, 0))
+    if family == "random_dense":
+        rng = np.random.default_rng(1)
+        blocks = rng.random((b, 1, s // 64, s // 64)) < 0.4
+        m = np.repeat(np.repeat(blocks, 64, 2), 64, 3) & (rng.random((b, 1, s, s)) < 0.9)
+        m[:, :, 3] = False                       # a row with no visible key
+        return bs.from_dense_mask(jnp.asarray(m))
+    raise ValueError(family)
+
+
+FAMILIES = ("causal", "sliding_window", "prefix_lm", "documents", "documents_causal",
+            "head_dependent", "builtin_window", "random_dense")
+
+
+def dense_visibility(bm, b, h, s):
+    bb = jnp.arange(b)[:, None, None, None]
+    hh = jnp.arange(h)[None, :, None, None]
+    ii = jnp.arange(s)[None, None, :, None]
+    jj = jnp.arange(s)[None, None, None, :]
+    return np.broadcast_to(np.asarray(bm.element_mask(bb, hh, ii, jj)), (b, h, s, s))
+
+
+def oracle(q, k, v, visible, scale, score_mod=None, d_out=None):
+    """float64 (out [b, s, h, d], lse [b, h, s], grads or None) of masked attention;
+    rows with no visible key give 0 and lse -inf."""
+    with jax.enable_x64(True):
+        q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
+        g = q.shape[2] // k.shape[2]
+        vis = jnp.asarray(visible)
+
+        def f(q64, k64, v64):
+            kk, vv = jnp.repeat(k64, g, 2), jnp.repeat(v64, g, 2)
+            s = jnp.einsum("bqhd,bkhd->bhqk", q64, kk) * scale
+            if score_mod is not None:
+                i = jnp.arange(s.shape[2])[:, None]
+                j = jnp.arange(s.shape[3])[None, :]
+                bb = jnp.arange(s.shape[0])[:, None, None, None]
+                hh = jnp.arange(s.shape[1])[None, :, None, None]
+                s = score_mod(s, bb, hh, i, j)
+            s = jnp.where(vis, s, -jnp.inf)
+            m = jnp.max(s, -1, keepdims=True)
+            m = jnp.where(jnp.isinf(m), 0.0, m)
+            p = jnp.where(vis, jnp.exp(s - m), 0.0)
+            l = p.sum(-1, keepdims=True)
+            out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l == 0, 1.0, l), vv)
+            lse = jnp.where(l[..., 0] == 0, -jnp.inf, jnp.log(jnp.where(l == 0, 1.0, l))[..., 0] + m[..., 0])
+            return out, lse
+
+        (out, lse), vjp = jax.vjp(f, q64, k64, v64)
+        grads = None
+        if d_out is not None:
+            grads = vjp((jnp.asarray(np.asarray(d_out, np.float64)), jnp.zeros_like(lse)))
+        return np.asarray(out), np.asarray(lse), None if grads is None else [np.asarray(x) for x in grads]
+
+
+def rel_error(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.abs(x - ref).max() / max(np.abs(ref).max(), 1e-6))
