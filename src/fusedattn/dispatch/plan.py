@@ -91,10 +91,12 @@ class Plan:
         return load_backend(self.require())
 
     def require(self) -> str:
-        """The chosen backend's name; UnsupportedError with every reason when none."""
-        if self.chosen is None:
+        """The backend a plain call runs (the forced or first usable one; between measured
+        rivals the preferred one, measuring nothing); UnsupportedError with every reason
+        when none can."""
+        if self.preferred is None:
             raise UnsupportedError(self.error_message())
-        return self.chosen
+        return self.preferred
 
     @property
     def strategy(self) -> str:
@@ -123,7 +125,8 @@ class Plan:
         plan (the jax.nn drop-in's return_residual)."""
         name = self.require()
         if self.strategy not in ("plain", "measured"):
-            raise UnsupportedError(f"the log-sum-exp is returned by plain calls, not {self.strategy}")
+            raise UnsupportedError(f"the log-sum-exp is returned by plain calls, not "
+                                   f"{self.strategy}")
         if name == "xla":
             return xla.attention_with_lse(self.config, inputs)
         return native_op.attention(self.rivals or name, self.config, inputs, need_lse=True)
