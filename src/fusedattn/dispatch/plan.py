@@ -30,7 +30,9 @@ log = logging.getLogger("fusedattn")
 
 # Preference order per platform: the first backend that supports a config runs it.
 PREFERENCE: Dict[str, Tuple[str, ...]] = {
-    "cuda": ("small_seq", "cudnn", "flash", "xla"),
+    # block_sparse serves mask_mods only (it says so for everything else): before cudnn,
+    # which runs every tile of a mask it does not recognise.
+    "cuda": ("small_seq", "block_sparse", "cudnn", "flash", "xla"),
     "rocm": ("small_seq", "ck", "xla"),
     "cpu": ("xla",),
 }
