@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 
 FUSEDATTN_GPU=none python3 -m pip install -q ".[test]"
-python3 -m pytest -q "$@"
+python3 -m pytest -q -n auto --dist loadfile "$@"
 
 bash ci/amd_compile_check.sh
 if [[ -f ci/compile_cuda.sh ]]; then

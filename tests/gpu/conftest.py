@@ -51,6 +51,17 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [item for item in items if id(item) not in chosen]
     config.hook.pytest_deselected(items=gpu_items)
     config._fusedattn_gpu_deselected = (len(gpu_items), reason)
+    if hasattr(config, "workeroutput"):  # a pytest-xdist worker: tell the controller
+        config.workeroutput["fusedattn_gpu_deselected"] = (len(gpu_items), reason)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist's controller collects nothing itself: each worker deselected the same
+    GPU tests, and says so here."""
+    found = getattr(node, "workeroutput", {}).get("fusedattn_gpu_deselected")
+    if found:
+        node.config._fusedattn_gpu_deselected = tuple(found)
 
 
 def pytest_terminal_summary(terminalreporter, config):
