@@ -16,9 +16,11 @@ def test_readme_commands_are_what_ci_runs():
     block = readme.split("## Install and test: two commands", 1)[1].split("```bash", 1)[1]
     commands = [line.split("#")[0].strip() for line in block.split("```", 1)[0].splitlines()
                 if line.strip()]
-    assert commands == ['pip install ".[test]"', "python -m pytest -q"], commands
+    assert commands == ['pip install ".[test]"', "python -m pytest -q -n auto --dist loadfile"], \
+        commands
     ci = (ROOT / "ci" / "cpu.sh").read_text()
-    assert re.search(r'pip install -q "\.\[test\]"', ci) and "python3 -m pytest -q" in ci
+    assert re.search(r'pip install -q "\.\[test\]"', ci)
+    assert "python3 -m pytest -q -n auto --dist loadfile" in ci
 
 
 def test_info_without_vendor_packages_says_so():
