@@ -15,7 +15,7 @@ from typing import Optional
 import jax
 
 from .. import block_sparse
-from ..block_sparse.attention import block_sparse_attention
+from ..block_sparse.attention import block_sparse_attention, on_hopper
 from ..block_sparse.kernel_parts import BLOCK
 from ..config import AttnConfig
 from ..inputs import AttnInputs
@@ -23,11 +23,6 @@ from ..score_mods import Masked
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
-
-
-def _on_hopper() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
 def config_reason(config: AttnConfig) -> Optional[str]:
@@ -68,7 +63,7 @@ class BlockSparseBackend:
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         why = config_reason(config)
-        if why is None and not _on_hopper():
+        if why is None and not on_hopper():
             why = "its Mosaic GPU kernels need a Hopper GPU (compute capability 9.0)"
         if why is None:
             try:
@@ -86,11 +81,10 @@ class BlockSparseBackend:
         why = self.supports(config)
         if why is not None:
             raise ValueError(f"block_sparse backend cannot run {config.short()}: {why}")
-        inner = config.score_mod.score_mod
-        score_mod = None if inner is None else (
-            lambda s, b, h, q_idx, kv_idx: inner(s, b, h, q_idx, kv_idx))
+        # The config's own score_mod object (no score_mod_args here): a stable static
+        # argument, so a re-trace reuses the compiled kernels.
         return block_sparse_attention(inputs.q, inputs.k, inputs.v, block_map(config),
-                                      scale=config.scale, score_mod=score_mod,
+                                      scale=config.scale, score_mod=config.score_mod.score_mod,
                                       implementation="mosaic")
 
 

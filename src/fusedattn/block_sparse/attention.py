@@ -49,10 +49,14 @@ def choose_implementation(q, implementation=None) -> str:
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         return implementation
-    dev = jax.devices()[0]
-    hopper = dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
     ok = q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] in (64, 128)
-    return "mosaic" if hopper and ok else "reference"
+    return "mosaic" if on_hopper() and ok else "reference"
+
+
+def on_hopper() -> bool:
+    """Whether JAX's first device is a Hopper GPU (what the Mosaic GPU kernels need)."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
 def _call(q, k, v, bm, scale, score_mod, implementation):
