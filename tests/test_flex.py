@@ -21,6 +21,7 @@ from fusedattn import dispatch, score_mods
 from support import flex_interpreter
 from fusedattn.backends.cudnn.lowering import lower as flex_lowering
 from fusedattn.backends import cudnn
+from fusedattn.backends.cudnn import flex as cudnn_flex
 from fusedattn.config import AttnConfig
 from fusedattn.validation import build_call
 
@@ -314,14 +315,46 @@ def test_a_shards_lowered_program_reads_the_calls_heads(name):
     np.testing.assert_allclose(np.asarray(got[0]).reshape(-1), slopes, rtol=1e-6)
 
 
-def test_inputs_that_vary_over_the_batch_stay_off_cudnn():
+def test_inputs_that_vary_over_the_batch_run_per_entry():
     """cuDNN 9.19 misreads per-batch score_mod tensors (tests/gpu/test_flex_gpu.py
     measures it), so what reads the batch index, per-batch args or padding lengths runs
-    on XLA with the reason; per-head and positional mods still lower."""
+    one batch entry at a time (tests/test_native_op_per_entry.py); per-head and
+    positional mods run whole."""
     per_batch, _ = _config("per_batch_scale")
-    assert "vary over the batch" in cudnn.config_reason(per_batch)
     padded, _ = _config("relative_position", sequence=fusedattn.SequenceDescriptor.from_lengths(
         jnp.array([S, 7]), jnp.array([5, S])))
-    assert "vary over the batch" in cudnn.config_reason(padded)
+    for config in (per_batch, padded):
+        assert cudnn.config_reason(config) is None and cudnn_flex.per_entry(config)
     for name in ("per_head_scale", "relative_position", "causal_mask_mod"):
-        assert cudnn.config_reason(_config(name)[0]) is None, name
+        config = _config(name)[0]
+        assert cudnn.config_reason(config) is None and not cudnn_flex.per_entry(config), name
+
+
+@pytest.mark.parametrize("mod, static_first", [
+    (lambda s, b, h, i, j, w: jax.nn.sigmoid(s) * w[h] * jnp.exp(w[h]), "mul:a"),
+    (lambda s, b, h, i, j, w: s + s * w[h], "add:c1.0,a"),
+])
+def test_bprop_multiplies_static_values_in_after_the_gradient(mod, static_first):
+    """cuDNN's backward crashed (a misaligned address) on a product of two per-head
+    values computed before the gradient: the lowering multiplies each into the
+    gradient instead, and what still computes static values alone is refused."""
+    q = jax.ShapeDtypeStruct((B, S, H, 16), jnp.bfloat16)
+    config, _ = build_call(q, q, q, score_mod=mod, score_mod_args=(jnp.linspace(0.5, 1.5, H),))
+    low = flex_lowering.lower(config, config.score_mod)
+    assert not flex_lowering.unbroadcast(low.bprop.split("|")), low.bprop
+    assert low.bprop.startswith("mul:g,") and static_first not in low.bprop, low.bprop
+    assert cudnn.config_reason(config) is None
+    kept = "max:a0,a1|mul:g,v0"  # a static max: not moved, so refused
+    assert flex_lowering.unbroadcast(kept.split("|")) == ["max:a0,a1"]
+
+
+def test_scores_provably_large_are_refused():
+    """lowering.ranges bounds the forward program; past ranges.LIMIT cuDNN's backward is
+    far off (tests/gpu/test_flex_gpu.py still_loses_large_scores)."""
+    q = jax.ShapeDtypeStruct((B, 128, H, 16), jnp.bfloat16)
+    big, _ = build_call(q, q, q, mask="causal",
+                        score_mod=lambda s, b, h, i, j: 2.0 * s + 1e5 * j.astype(jnp.float32))
+    assert "reach 1.27e+07" in cudnn.config_reason(big)
+    small, _ = build_call(q, q, q, mask="causal",
+                          score_mod=lambda s, b, h, i, j: 2.0 * s + 1e2 * j.astype(jnp.float32))
+    assert cudnn.config_reason(small) is None

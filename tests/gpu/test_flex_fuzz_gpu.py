@@ -13,7 +13,8 @@ mismatched) for benchmarks/results/.
     FUSEDATTN_FUZZ_OUT=$OUT pytest -q -s tests/gpu/test_flex_fuzz_gpu.py
 
 FUSEDATTN_FUZZ_GPU_COUNT (default 500) and FUSEDATTN_FUZZ_SEED choose the programs;
-FUSEDATTN_FUZZ_THREADS (default 4; 1 if a GPU run shows a race) how many programs compile at once."""
+FUSEDATTN_FUZZ_THREADS (default 4; 1 if a GPU run shows a race) how many programs compile at once;
+FUSEDATTN_FUZZ_VERBOSE=1 prints each program before it runs."""
 from __future__ import annotations
 
 import collections
@@ -39,6 +40,7 @@ pytestmark = pytest.mark.gpu
 COUNT = int(os.environ.get("FUSEDATTN_FUZZ_GPU_COUNT", "500"))
 SEED = int(os.environ.get("FUSEDATTN_FUZZ_SEED", "0"))
 THREADS = int(os.environ.get("FUSEDATTN_FUZZ_THREADS", "4"))
+VERBOSE = os.environ.get("FUSEDATTN_FUZZ_VERBOSE") == "1"
 B, S, H, D = 2, 128, 4, 64  # small: one graph per program is the cost
 
 
@@ -143,6 +145,8 @@ def test_fuzzed_programs_on_cudnn_match_xla():
                 refusals[reason.split(":")[0][:60] + ": " + reason.split(":")[-1][:80]] += 1
                 continue
             counts["ran on cudnn"] += 1
+            if VERBOSE:  # the last line names the program a crash happened in
+                print("running", program.describe(), flush=True)
             got, want = compiled(*call)
             error = _compare(got, want)
             if error < tol:

@@ -64,6 +64,17 @@ MODS = {
     # (a per-batch *shift* has a zero gradient: softmax ignores it; a scale does not)
     "per_batch_scale": (lambda s, b, h, q, k, sc: s * sc[b], None, _batch_scale, None),
     "t5_bucket_table": (_t5_bucket, None, _buckets, "gather"),
+    # a function of positions written before the score: cuDNN's dQ / dK went wrong
+    # with that operand order (the lowering puts the score first)
+    "position_term_first": (lambda s, b, h, q, k, w: jnp.tanh((q // 16).astype(jnp.float32))
+                            + w[h] * s, None, _head_scale, None),
+    # the same, the score unscaled: its derivative 1 leaves the bprop the gradient alone
+    "key_term_first": (lambda s, b, h, q, k: jnp.sin(k.astype(jnp.float32)) + s, None, _none,
+                       None),
+    # the bprop's product of two per-head values: multiplied in after the gradient (cuDNN's
+    # backward crashed, a misaligned address, on the product of the small values)
+    "gate_times_head_values": (lambda s, b, h, q, k, w: jax.nn.sigmoid(s) * w[h] * jnp.exp(w[h]),
+                               None, _head_scale, None),
     # mask_mods
     "causal_mask_mod": (None, lambda b, h, q, k: k <= q, _none, None),
     "prefix_lm": (None, lambda b, h, q, k: (k <= q) | (k < 16), _none, None),

@@ -300,6 +300,12 @@ def check_cpu(program: Program, seed: int) -> Tuple[str, str]:
     visible = np.isfinite(want) & np.isfinite(d_want)  # cuDNN's dS is 0 where P is
     if _close(d_got, d_want, d_want, visible) and _close(d_got, d_want, spread(1), visible):
         return "mismatch", f"bprop dS {_close(d_got, d_want, spread(1), visible)}"
+    # The magnitude bound (lowering.ranges) holds: unit scores never exceed it.
+    unit = flex_interpreter.interpret(low.forward, rng.uniform(-1.0, 1.0, score.shape), q_idx,
+                                      kv_idx, inputs)
+    largest = float(np.max(np.abs(unit[np.isfinite(unit)]), initial=0.0))
+    if largest > low.magnitude * (1.0 + 1e-6) + 1e-6:
+        return "mismatch", f"values reach {largest:.6g} past the bound {low.magnitude:.6g}"
     return "match", ""
 
 

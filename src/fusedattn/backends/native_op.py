@@ -65,9 +65,11 @@ def rng_bits(config: AttnConfig, rng) -> Optional[jax.Array]:
 class Kernels(NamedTuple):
     """A backend's per-device kernels: ``forward(config, inputs, training)`` and
     ``backward(config, inputs, out, lse, d_out)``; for FP8 ``fp8_forward`` /
-    ``fp8_backward`` of `fusedattn.fp8`'s contract."""
+    ``fp8_backward`` of `fusedattn.fp8`'s contract. ``per_entry(config)`` True: the
+    kernels run one batch entry at a time (`_run_per_entry`)."""
     forward: Callable
     backward: Callable
+    per_entry: Callable[[AttnConfig], bool] = lambda config: False
 
 
 # Per-device kernels by backend name, filled by each backend module as it loads.
@@ -104,6 +106,8 @@ class _Op:
 
 # ---- the per-device body ------------------------------------------------------------
 def _run(op: _Op, config: AttnConfig, flat, shard_starts=None):
+    if not op.fp8 and config.batch > 1 and op.kernels.per_entry(config):
+        return _run_per_entry(op, config, flat, shard_starts)
     operands = jax.tree_util.tree_unflatten(op.in_tree, flat)
     if shard_starts is not None:  # the score_mod's two more arguments (see _on_shard)
         inputs = operands[0] if op.step == "backward" else operands
@@ -124,6 +128,53 @@ def _run(op: _Op, config: AttnConfig, flat, shard_starts=None):
     leaves = jax.tree_util.tree_leaves(result)
     assert len(leaves) == len(op.out_dims), (op.step, len(leaves), len(op.out_dims))
     return tuple(leaves)
+
+
+def entry_config(config: AttnConfig) -> AttnConfig:
+    """The config one batch entry of `config` runs as (`_run_per_entry`): batch 1, its
+    score_mod reading the call's batch number."""
+    return _on_shard(dataclasses.replace(config, batch=1))
+
+
+def _run_per_entry(op: _Op, config: AttnConfig, flat, shard_starts):
+    """`_run` one batch entry at a time (a loop on the device, not an unrolled one):
+    what a backend asks for when its kernels cannot read values that vary over the
+    batch. Each entry is a shard of one batch row (`_on_shard`); outputs with a batch
+    dimension are put back together, the others (gradients of replicated values, a
+    learnable sink) summed. Dropout streams get the entry's number mixed in, as
+    shards' do."""
+    if shard_starts is None:
+        entry, (b0, h0) = entry_config(config), (jnp.int32(0), jnp.int32(0))
+    else:  # already a shard's config: its score_mod reads the shard's starts
+        entry, (b0, h0) = dataclasses.replace(config, batch=1), shard_starts
+    in_axes = [_batch_axis(d) for d in op.in_dims]
+    out_axes = [_batch_axis(d) for d in op.out_dims]
+
+    def one(i):
+        part = [x if a is None else jax.lax.dynamic_slice_in_dim(x, i, 1, a)
+                for x, a in zip(flat, in_axes)]
+        if op.config.has_dropout:  # (a word of its own: shards mix into word 0)
+            part = _mix_into_rng(op, part, b0 + i, word=1)
+        outs = _run(op, entry, part, (b0 + i, h0))
+        return tuple(o if a is None else jnp.squeeze(o, a) for o, a in zip(outs, out_axes))
+    stacked = jax.lax.map(one, jnp.arange(config.batch, dtype=jnp.int32))
+    return tuple(jnp.sum(s, 0) if a is None else jnp.moveaxis(s, 0, a)
+                 for s, a in zip(stacked, out_axes))
+
+
+def _batch_axis(dims: P.Dims) -> Optional[int]:
+    return dims.roles.index(P.BATCH) if P.BATCH in dims.roles else None
+
+
+def _mix_into_rng(op: _Op, flat, index, word: int = 0):
+    """The operands with `index` mixed into a word of the dropout bits (a stream per
+    shard or per entry: documented, masks under a split differ from the unsplit call's)."""
+    inputs = jax.tree_util.tree_unflatten(op.in_tree, flat)
+    root = inputs[0] if op.step == "backward" else inputs
+    bits = root.rng.at[word].add(jnp.asarray(index).astype(jnp.uint32) * jnp.uint32(0x9E3779B9))
+    root = root._replace(rng=bits)
+    inputs = (root,) + tuple(inputs[1:]) if op.step == "backward" else root
+    return jax.tree_util.tree_leaves(inputs)
 
 
 def _body(op: _Op, *flat):
@@ -201,15 +252,8 @@ def _on_shard(local: AttnConfig) -> AttnConfig:
 
 
 def _fold_shard_into_rng(op: _Op, flat, split: P.Split, shape):
-    """Each shard's dropout stream: the bits mixed with the shard's index (documented:
-    masks under a split differ from the unsplit call's)."""
-    inputs = jax.tree_util.tree_unflatten(op.in_tree, flat)
-    root = inputs[0] if op.step == "backward" else inputs
-    index = P.shard_index(split.batch + split.heads, shape).astype(jnp.uint32)
-    bits = root.rng.at[0].add(index * jnp.uint32(0x9E3779B9))
-    root = root._replace(rng=bits)
-    inputs = (root,) + tuple(inputs[1:]) if op.step == "backward" else root
-    return jax.tree_util.tree_leaves(inputs)
+    """Each shard's dropout stream: the bits mixed with the shard's index."""
+    return _mix_into_rng(op, flat, P.shard_index(split.batch + split.heads, shape))
 
 
 def _rule(op, mesh, value_types, result_types):

@@ -71,12 +71,13 @@ class CudnnBackend:
         if config.is_fp8:
             lines.append(fp8.backward_split(config)[1])
         if graphs.assumed() is None:
-            lines += [probe(ch.config).describe() for ch in parts[:1]] or [probe(config).describe()]
+            lines += [probe(support.graphs_config(c)).describe() for c in
+                      [ch.config for ch in parts[:1]] or [config]]
         return "\n".join(filter(None, lines))
 
 
 BACKEND = CudnnBackend()
-native_op.register("cudnn", native_op.Kernels(kernels.forward, kernels.backward),
+native_op.register("cudnn", native_op.Kernels(kernels.forward, kernels.backward, flex.per_entry),
                    native_op.Kernels(fp8.fp8_forward, fp8.fp8_backward))
 
 

@@ -15,12 +15,14 @@ plan says so). Integer arguments get none.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Dict, Optional
 
 import jax
 import jax.numpy as jnp
 
 from .lowering import lower as flex_lowering
+from .lowering import ranges as flex_ranges
 from ... import partitioning
 from .. import xla
 from ...config import AttnConfig
@@ -87,12 +89,28 @@ def reason(config: AttnConfig) -> Optional[str]:
         low = lowered(config)
     except flex_lowering.Unsupported as e:
         return f"score_mod cannot be lowered to cuDNN: {e}"
-    if not PER_BATCH_INPUTS_OK and any(shape[0] > 1 for shape in low.input_shapes):
-        return ("score_mod / mask_mod reads values that vary over the batch (the batch index, "
-                "per-batch score_mod_args, or padding lengths composed into the graph): "
-                "cuDNN computes wrong scores from a per-batch score_mod tensor "
-                "(tests/gpu/test_flex_gpu.py per_batch_scale), so it runs on XLA")
+    small = flex_lowering.unbroadcast(low.bprop.split("|") if low.bprop else [])
+    if small:
+        return (f"score_mod's bprop computes {small[0]!r} from static values alone (a value "
+                f"of a static input's shape, not the scores'): cuDNN 9.19's backward fails on "
+                f"it with a misaligned address")
+    if math.isfinite(low.magnitude) and low.magnitude > flex_ranges.LIMIT:
+        return (f"score_mod values reach {low.magnitude:.3g} (bounded over the call's positions "
+                f"and constants, the score as [-1, 1]): cuDNN's backward recomputes the "
+                f"probabilities from float32 scores with an error that grows with their "
+                f"magnitude (dV far off beyond {flex_ranges.LIMIT:.3g})")
     return None
+
+
+def per_entry(config: AttnConfig) -> bool:
+    """Whether the programs read values that vary over the batch (the batch index,
+    per-batch score_mod_args, padding lengths composed into the graph): cuDNN computes
+    wrong scores from a per-batch score_mod tensor (tests/gpu/test_flex_gpu.py
+    per_batch_scale), so such a call runs one batch entry at a time, each entry's
+    graph reading a tensor of its own (`native_op` loops)."""
+    return (not PER_BATCH_INPUTS_OK and is_flex(config) and config.batch > 1
+            and reason(config) is None
+            and any(shape[0] > 1 for shape in lowered(config).input_shapes))
 
 
 def describe(config: AttnConfig) -> str:
@@ -102,6 +120,9 @@ def describe(config: AttnConfig) -> str:
     if low.row_terms:
         text += (f"; query-only terms left out of the forward program (softmax is "
                  f"shift-invariant along a row; the LSE adds them back): {low.row_terms}")
+    if per_entry(config):
+        text += ("; its inputs vary over the batch, which cuDNN misreads: one graph of batch "
+                 "1 runs each batch entry in turn")
     return text
 
 

@@ -8,7 +8,7 @@ from typing import Optional
 from ... import fp8_scaling
 from ...config import AttnConfig
 from ...score_mods import Alibi
-from .. import extension
+from .. import extension, native_op
 from . import flex, graphs
 from .graphs import Probe
 
@@ -131,13 +131,18 @@ def probe(config: AttnConfig) -> Probe:
 
 
 
+def graphs_config(config: AttnConfig) -> AttnConfig:
+    """The config whose graphs run `config`: one batch entry's where it runs per entry."""
+    return native_op.entry_config(config) if flex.per_entry(config) else config
+
+
 def supports(config: AttnConfig) -> Optional[str]:
     """None when cuDNN runs `config` (its graphs build), else the reason."""
     why = config_reason(config)
     if why is None and graphs.assumed() is None:
         why = extension.reason("cuda") or version_reason(config, extension.cudnn_version())
     if why is None:
-        result = probe(config)
+        result = probe(graphs_config(config))
         why = None if result.ok else f"cuDNN: {result.message}"
         if why is not None and flex.is_flex(config):
             why = (f"cuDNN: the score_mod lowered to pointwise operations has no engine on "

@@ -38,6 +38,7 @@ two equal lambdas share a graph; different ones never collide.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -50,10 +51,11 @@ from ....config import AttnConfig
 from ....score_mods import Masked
 from . import derivative as flex_derivative
 from . import hoist as flex_hoist
+from . import ranges as flex_ranges
 from .program import (Program, Unsupported, expand, flatten, is_int, live, parse_lines,
                       reads_score)
 
-__all__ = ["Lowered", "Unsupported", "lower", "masked_score_mod"]
+__all__ = ["Lowered", "Unsupported", "lower", "masked_score_mod", "unbroadcast"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,8 @@ class Lowered:
     row_terms: str = ""
     row_shift: Callable = dataclasses.field(compare=False, repr=False, hash=False,
                                             default=lambda args, lengths: None)
+    # The largest magnitude the forward's result provably reaches (`ranges`; inf: unknown).
+    magnitude: float = math.inf
 
 
 def masked_score_mod(config: AttnConfig, score_mod: Optional[Callable],
@@ -209,8 +213,89 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
         return total
     (pf, _), (pb, _) = programs
     _masks_after_score_mod(pf, pb)
+    pb.lines = _static_factors_last(pb.lines)
     return Lowered("|".join(pf.lines), "|".join(pb.lines), shapes, ints, evaluate, row_text,
-                   row_shift)
+                   row_shift, flex_ranges.bound(pf.lines, config.s_q, config.s_kv))
+
+
+def _static_factors_last(lines: List[str]) -> List[str]:
+    """A dynamic value times an expression of static values alone (`unbroadcast`: per-head
+    values, constants) is multiplied into the expression's leaves instead, so no
+    intermediate keeps a static input's small shape: ``g * (a2 * a3)`` becomes
+    ``(g * a2) * a3`` and ``g * (1 + a1)`` ``g * 1 + g * a1``. A program with another
+    use of such an expression stays as it was (`flex.reason` refuses it)."""
+    parsed = parse_lines(lines)
+    static = set(range(len(parsed))) - _dynamic_lines(parsed)
+    arithmetic = {i for i in static if parsed[i][0] in _DISTRIBUTES}
+    if not arithmetic:
+        return lines
+    out: List[str] = []
+    new: Dict[str, str] = {}  # old value token -> token in `out`
+
+    def emit(line: str) -> str:
+        out.append(line)
+        return f"v{len(out) - 1}"
+
+    def times(d: str, token: str) -> str:  # d * (the static expression `token`)
+        if not (token.startswith("v") and int(token[1:]) in arithmetic):
+            return d if token == "c1.0" else emit(f"mul:{d},{token}")
+        op, (x, *rest) = parsed[int(token[1:])]
+        if op == "mul":
+            return times(times(d, x), rest[0])
+        if op == "div" and not (rest[0].startswith("v") and int(rest[0][1:]) in static):
+            return emit(f"div:{times(d, x)},{rest[0]}")
+        if op in ("add", "sub"):
+            return emit(f"{op}:{times(d, x)},{times(d, rest[0])}")
+        if op == "neg":
+            return emit(f"neg:{times(d, x)}")
+        raise _Keep
+    try:
+        for i, (op, args) in enumerate(parsed):
+            if i in arithmetic:
+                continue
+            held = [j for j, a in enumerate(args) if a.startswith("v") and int(a[1:]) in arithmetic]
+            if not held:
+                new[f"v{i}"] = emit(f"{op}:{','.join(new.get(a, a) for a in args)}")
+            elif op == "mul" and len(held) == 1:
+                new[f"v{i}"] = times(new.get(args[1 - held[0]], args[1 - held[0]]), args[held[0]])
+            else:
+                raise _Keep
+    except _Keep:
+        return lines
+    return out
+
+
+class _Keep(Exception):
+    """A static expression `_static_factors_last` cannot move."""
+
+
+_DISTRIBUTES = frozenset({"mul", "div", "add", "sub", "neg"})
+
+
+def _dynamic_lines(parsed) -> set:
+    """Numbers of the instructions that read the score, gradient, a position or a
+    forward value, directly or through another such instruction."""
+    dynamic = set()
+    for i, (op, args) in enumerate(parsed):
+        if any(a in ("s", "q", "k", "g") or a[0] == "w" or (a[0] == "v" and int(a[1:]) in dynamic)
+               for a in args):
+            dynamic.add(i)
+    return dynamic
+
+
+def unbroadcast(lines: Sequence[str]) -> List[str]:
+    """The arithmetic instructions of a program that read no score, gradient, position
+    nor forward value: their results keep a static input's small shape instead of the
+    scores' (``1 + n[h]``)."""
+    parsed = parse_lines(lines)
+    dynamic = _dynamic_lines(parsed)
+    return [f"{op}:{','.join(args)}" for i, (op, args) in enumerate(parsed)
+            if i not in dynamic and op.split(".")[0] not in _PREDICATES]
+
+
+# How a program reads a static boolean (``ne:aN,c0.0``) and combines predicates: these
+# ran on cuDNN with their small shapes; static arithmetic is what crashed.
+_PREDICATES = frozenset({"eq", "ne", "gt", "ge", "lt", "le", "and", "or", "not", "sel"})
 
 
 def _hoist_row_terms(pf: Program, pb: Program):
@@ -253,9 +338,9 @@ def _prune(lines: List[str], result: str) -> List[str]:
 
 def _masks_after_score_mod(forward: Program, bprop: Program) -> None:
     """Orders the forward in the frontend's own form of a score_mod and its masks:
-    each value's score chain first, its score-independent operands (a mask's
-    comparison of positions) right before it, and every select to -inf with a
-    comparison of its own. The native side generates a forward's index nodes from the
+    each value's score chain first (the first operand too, where the operation
+    commutes), its score-independent operands (a mask's comparison of positions)
+    right before it, and every select to -inf with a comparison of its own. The native side generates a forward's index nodes from the
     latest float value, so each mask's indices are generated from the score it masks:
     the form in which cuDNN skips the tiles a causal mask hides."""
     parsed = parse_lines(forward.lines)
@@ -278,7 +363,10 @@ def _masks_after_score_mod(forward: Program, bprop: Program) -> None:
             a = args[j]
             tokens[j] = visit(int(a[1:]), fresh or (is_mask and j == 0)) \
                 if re.fullmatch(r"v\d+", a) else a
-        lines.append(f"{op}:{','.join(tokens[j] for j in range(len(args)))}")
+        slots = list(range(len(args)))
+        if op in _COMMUTATIVE and not _reads(args[0], reads_score) and _reads(args[1], reads_score):
+            slots.reverse()  # the score chain as the first operand (see below)
+        lines.append(f"{op}:{','.join(tokens[j] for j in slots)}")
         emitted[i] = f"v{len(lines) - 1}"
         order.setdefault(i, len(lines) - 1)
         return emitted[i]
@@ -291,6 +379,13 @@ def _masks_after_score_mod(forward: Program, bprop: Program) -> None:
     renumber = {f"w{old}": f"w{new}" for old, new in order.items()}
     bprop.lines = [f"{op}:{','.join(renumber.get(a, a) for a in args)}"
                    for op, args in parse_lines(bprop.lines)]
+
+
+# Float operations whose operands may swap. cuDNN 9.19's backward gives dQ / dK far off
+# (out and dV right) when an add's first operand is a function of positions and its
+# second the score chain (``tanh(q // 16) + s``; ``s + tanh(q // 16)`` is right):
+# the score chain goes first (tests/gpu/test_flex_gpu.py operand_order).
+_COMMUTATIVE = frozenset({"add", "mul", "max", "min"})
 
 
 def _reads(token: str, reads_score: List[bool]) -> bool:
