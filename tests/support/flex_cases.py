@@ -23,6 +23,10 @@ def _head_scale(h, b, s):
     return (jnp.linspace(0.5, 1.5, h, dtype=jnp.float32),)
 
 
+def _head_ints(h, b, s):
+    return (jnp.arange(1, h + 1, dtype=jnp.int32),)
+
+
 def _batch_scale(h, b, s):
     return (jnp.linspace(0.5, 1.5, b, dtype=jnp.float32),)
 
@@ -73,8 +77,10 @@ MODS = {
                        None),
     # the bprop's product of two per-head values: multiplied in after the gradient (cuDNN's
     # backward crashed, a misaligned address, on the product of the small values)
-    "gate_times_head_values": (lambda s, b, h, q, k, w: jax.nn.sigmoid(s) * w[h] * jnp.exp(w[h]),
-                               None, _head_scale, None),
+    # (int values: a float one's gradient here is a sum that cancels, too ill-conditioned
+    # for bf16 inputs)
+    "gate_times_head_values": (lambda s, b, h, q, k, n: jax.nn.sigmoid(s) * n[h].astype(
+        jnp.float32) * jnp.exp(0.25 * n[h].astype(jnp.float32)), None, _head_ints, None),
     # mask_mods
     "causal_mask_mod": (None, lambda b, h, q, k: k <= q, _none, None),
     "prefix_lm": (None, lambda b, h, q, k: (k <= q) | (k < 16), _none, None),
