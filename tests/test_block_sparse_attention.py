@@ -83,3 +83,25 @@ def test_wrong_block_size_is_refused():
     bm = bs.block_map(lambda b, h, i, j: j <= i, s_q=S, s_kv=S, block=(64, 64))
     with pytest.raises(ValueError, match="128x128"):
         block_sparse_attention(q, k, v, bm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lengths_past_a_block_boundary(family):
+    """s = 300 (two whole blocks and a ragged one): padded to whole blocks, the key
+    padding masked, the rows cut off; forward, lse and gradients as the oracle's."""
+    s = 300
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, k, v, do = (jax.random.normal(kk, (B, s, hh, D)) for kk, hh in zip(keys, (H, H_KV, H_KV, H)))
+    bm = block_map(family, B, H, s)
+    out, lse = block_sparse_attention_with_lse(q, k, v, bm, implementation="reference")
+    assert out.shape == q.shape and lse.shape == (B, H, s)
+    _, vjp = jax.vjp(lambda q, k, v: block_sparse_attention(
+        q, k, v, bm, implementation="reference"), q, k, v)
+    ref_out, ref_lse, ref_grads = oracle(q, k, v, dense_visibility(bm, B, H, s), D ** -0.5,
+                                         None, do)
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], atol=1e-4)
+    assert rel_error(out, ref_out) < 1e-4
+    for g, r in zip(vjp(do), ref_grads):
+        assert g.shape == r.shape and rel_error(g, r) < 1e-4

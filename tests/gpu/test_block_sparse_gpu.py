@@ -18,23 +18,23 @@ pytestmark = pytest.mark.gpu
 B, S = 2, 512
 
 
-def _inputs(h, h_kv, d, dtype, seed=0):
+def _inputs(h, h_kv, d, dtype, seed=0, s=S):
     keys = jax.random.split(jax.random.key(seed), 4)
-    return [jax.random.normal(kk, (B, S, hh, d), dtype)
+    return [jax.random.normal(kk, (B, s, hh, d), dtype)
             for kk, hh in zip(keys, (h, h_kv, h_kv, h))]
 
 
-def _check(family, h, h_kv, d, dtype, score_mod=None):
-    q, k, v, do = _inputs(h, h_kv, d, dtype)
+def _check(family, h, h_kv, d, dtype, score_mod=None, s=S):
+    q, k, v, do = _inputs(h, h_kv, d, dtype, s=s)
     if choose_implementation(q) != "mosaic":
         pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
-    bm = block_map(family, B, h, S)
+    bm = block_map(family, B, h, s)
     out, lse = jax.jit(lambda q, k, v: block_sparse_attention_with_lse(
         q, k, v, bm, score_mod=score_mod))(q, k, v)
     grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
         block_sparse_attention(q, k, v, bm, score_mod=score_mod).astype(jnp.float32)
         * do.astype(jnp.float32)), argnums=(0, 1, 2)))(q, k, v)
-    ref_out, ref_lse, ref_grads = oracle(q, k, v, dense_visibility(bm, B, h, S), d ** -0.5,
+    ref_out, ref_lse, ref_grads = oracle(q, k, v, dense_visibility(bm, B, h, s), d ** -0.5,
                                          score_mod, do)
     lse = np.asarray(lse)
     finite = np.isfinite(ref_lse)
@@ -52,6 +52,12 @@ def _check(family, h, h_kv, d, dtype, score_mod=None):
 @pytest.mark.parametrize("d", [64, 128])
 def test_families_gqa(family, d):
     _check(family, 4, 2, d, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lengths_past_a_block_boundary(family):
+    """s = 300: padded to whole blocks inside, the key padding masked in the last block."""
+    _check(family, 4, 2, 128, jnp.bfloat16, s=300)
 
 
 @pytest.mark.parametrize("family", ["sliding_window", "documents", "random_dense"])
@@ -75,6 +81,7 @@ def test_softcap_score_mod():
     ("prefix-LM", lambda b, h, i, j: (j <= i) | (j < 128), {}),
     ("documents of 128 and causal", lambda b, h, i, j: i // 128 == j // 128,
      dict(mask="causal")),
+    ("sliding window over 300 tokens", lambda b, h, i, j: (j <= i) & (i - j < 100), dict(s=300)),
 ])
 def test_fused_attn_runs_mask_mods_on_the_block_sparse_kernels(name, mask_mod, options):
     """fused_attn's dispatch picks block_sparse for a mask_mod of positions on Hopper,
@@ -82,7 +89,9 @@ def test_fused_attn_runs_mask_mods_on_the_block_sparse_kernels(name, mask_mod, o
     import fusedattn
     from support import attn_cases as ac
     from fusedattn.score_mods import Masked
-    case = ac.Case(b=2, s_q=512, s_kv=512, h_q=4, h_kv=2, d_qk=128, d_v=128, dtype="bfloat16",
+    options = dict(options)
+    s = options.pop("s", 512)
+    case = ac.Case(b=2, s_q=s, s_kv=s, h_q=4, h_kv=2, d_qk=128, d_v=128, dtype="bfloat16",
                    score_mod=Masked(None, mask_mod), **options)
     built = ac.build(case)
     plan = fusedattn.explain(built.q, built.k, built.v, **built.options())

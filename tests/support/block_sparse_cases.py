@@ -41,8 +41,9 @@ def block_map(family: str, b: int, h: int, s: int):
         return bs.from_builtin(s, mask="causal", window=(s // 3, 0))
     if family == "random_dense":
         rng = np.random.default_rng(1)
-        blocks = rng.random((b, 1, s // 64, s // 64)) < 0.4
-        m = np.repeat(np.repeat(blocks, 64, 2), 64, 3) & (rng.random((b, 1, s, s)) < 0.9)
+        n = -(-s // 64)
+        blocks = rng.random((b, 1, n, n)) < 0.4
+        m = np.repeat(np.repeat(blocks, 64, 2), 64, 3)[:, :, :s, :s] & (rng.random((b, 1, s, s)) < 0.9)
         m[:, :, 3] = False                       # a row with no visible key
         return bs.from_dense_mask(jnp.asarray(m))
     raise ValueError(family)

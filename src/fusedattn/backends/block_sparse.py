@@ -38,8 +38,6 @@ def config_reason(config: AttnConfig) -> Optional[str]:
         (config.layout != "bshd" or config.qkv_packing != "separate",
          "takes separate q, k, v in the bshd layout"),
         (config.sequence != "dense", f"sequence {config.sequence!r}: takes dense sequences"),
-        (config.s_q % BLOCK or config.s_kv % BLOCK,
-         f"s_q={config.s_q}, s_kv={config.s_kv}: takes multiples of {BLOCK}"),
         (config.has_bias or config.has_dropout or config.softmax != "vanilla",
          "takes no bias, dropout or sink softmax"),
         (bool(config.score_mod_arg_specs), "a mask_mod or score_mod reading arrays (score_mod_args) "

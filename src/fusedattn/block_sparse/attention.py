@@ -30,8 +30,9 @@ def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[floa
     h_q a multiple of h_kv) where `block_map` says which pairs are visible;
     ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites the scaled score (elementwise
     JAX code; on GPU it runs inside the kernel). Rows with no visible key give 0.
-    Differentiable in q, k, v. `implementation`: "mosaic", "reference" or None
-    (mosaic on a Hopper GPU, else reference)."""
+    Differentiable in q, k, v. Lengths need not be multiples of the block: the arrays
+    are padded to whole blocks and the padding masked. `implementation`: "mosaic",
+    "reference" or None (mosaic on a Hopper GPU, else reference)."""
     out, _ = _call(q, k, v, block_map, scale, score_mod, implementation)
     return out
 
@@ -63,13 +64,46 @@ def _call(q, k, v, bm, scale, score_mod, implementation):
     _check(q, k, v, bm)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = choose_implementation(q, implementation)
-    km = kernel_mask(bm.element)
+    km = _padded(kernel_mask(bm.element), bm.s_q, bm.s_kv)
+    s_q, s_kv = q.shape[1], k.shape[1]
+    # Lengths past a block boundary: the arrays padded to whole blocks (the map already
+    # has the blocks; the key padding is masked in the last block, which is never full,
+    # and the padded rows' outputs are cut off, so their cotangent is 0).
+    q, k, v = (_pad_tokens(x, _whole(x.shape[1])) for x in (q, k, v))
     fwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
     bwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
     ints = (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays, km.dense)
-    return _attention(km.fn, scale, score_mod, impl, q, k, v, ints)
+    out, lse2 = _attention(km.fn, scale, score_mod, impl, q, k, v, ints)
+    return out[:, :s_q], lse2[..., :s_q]
+
+
+def _whole(s: int) -> int:
+    return -(-s // BLOCK) * BLOCK
+
+
+def _pad_tokens(x, size: int, axis: int = 1):
+    if x is None or x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _padded(km: KernelMask, s_q: int, s_kv: int) -> KernelMask:
+    """The kernel mask over whole blocks: its arrays padded, and keys past s_kv hidden."""
+    if s_q % BLOCK == 0 and s_kv % BLOCK == 0:
+        return km
+    fn = km.fn
+    if s_kv % BLOCK:
+        def fn(b, h, q, kv, qv, kvv, d, inner=km.fn):
+            return inner(b, h, q, kv, qv, kvv, d) & (kv < s_kv)
+    dense = km.dense
+    if dense is not None:
+        dense = _pad_tokens(_pad_tokens(dense, _whole(s_q), axis=2), _whole(s_kv), axis=3)
+    return KernelMask(_pad_tokens(km.q_arrays, _whole(s_q), axis=2),
+                      _pad_tokens(km.kv_arrays, _whole(s_kv), axis=2), dense, fn)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -134,8 +168,6 @@ def _check(q, k, v, bm: BlockMap):
                          f"got {bm.block}")
     if (bm.s_q, bm.s_kv) != (s_q, k.shape[1]):
         raise ValueError(f"the map is for {bm.s_q}x{bm.s_kv}, q/k give {s_q}x{k.shape[1]}")
-    if s_q % BLOCK or k.shape[1] % BLOCK:
-        raise ValueError(f"sequence lengths must be multiples of {BLOCK}, got {s_q}, {k.shape[1]}")
     mb, mh = bm.shape[:2]
     if mb not in (1, b) or mh not in (1, h_q):
         raise ValueError(f"the map's batch/head axes {bm.shape[:2]} do not fit b={b}, h_q={h_q}")
