@@ -14,6 +14,7 @@ import pytest
 import fusedattn
 from fusedattn import dispatch, score_mods
 from fusedattn.backends import cudnn
+from fusedattn.backends.cudnn import flex
 from fusedattn.inputs import AttnInputs
 from fusedattn.config import AttnConfig
 from fusedattn.sequence import SequenceDescriptor
@@ -70,6 +71,15 @@ def test_causal_mask_without_window_sets_only_the_right_bound():
     assert (fields["wl"], fields["wr"]) == ("-1", "0")
 
 
+@pytest.mark.parametrize("change", [dict(mask="causal_bottom_right"), dict()])
+def test_alibi_cudnn_cannot_take_runs_as_a_program_per_entry(change):
+    """Padded ALiBi in a form cuDNN's own ALiBi refuses (bottom-right, no causal mask):
+    the lowered program runs, one batch entry at a time (it reads the lengths)."""
+    config = dataclasses.replace(BASE, score_mod=ALIBI, sequence="padding", **change)
+    assert flex.alibi_reason(config) is not None
+    assert cudnn.config_reason(config) is None and flex.per_entry(config)
+
+
 @pytest.mark.parametrize("change, fragment", [
     (dict(dtype="float32"), "dtype float32"),
     (dict(score_mod=lambda s, b, h, i, j: s.sum(axis=-1, keepdims=True) + s), "reduce_sum"),
@@ -97,10 +107,8 @@ SOFTCAP = score_mods.softcap(20.0)
 
 @pytest.mark.parametrize("change, fragment", [
     (dict(score_mod=SOFTCAP, sequence="packed", max_segments=2), "packed (THD) sequences"),
-    (dict(score_mod=ALIBI, sequence="padding", mask="causal_bottom_right"), "top-left"),
     (dict(score_mod=score_mods.alibi(8), mask="causal", bias_shape=(1, 4, 128, 128)),
      "num_heads must equal h_q"),
-    (dict(score_mod=ALIBI, sequence="padding"), "right bound 0"),
     (dict(score_mod=SOFTCAP, bias_shape=(1, 4, 128, 128)), "before the bias"),
     (dict(score_mod=lambda s, b, h, i, j: s + jnp.cumsum(s, axis=-1)), "cannot be lowered"),
     (dict(score_mod=lambda s, b, h, i, j: s + i, bias_shape=(1, 4, 128, 128)), "before the bias"),

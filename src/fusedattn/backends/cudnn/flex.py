@@ -37,9 +37,10 @@ def is_flex(config: AttnConfig) -> bool:
 
 
 def uses_cudnn_alibi(config: AttnConfig) -> bool:
-    """ALiBi through cuDNN's ALiBi mask: where a lowered program cannot run (padding
-    lengths read per batch, packed sequences, bias) and cuDNN's form can."""
-    return (isinstance(config.score_mod, Alibi) and reason(config) is not None
+    """ALiBi through cuDNN's ALiBi mask: where a lowered program cannot run (packed
+    sequences, bias) or would run per batch entry (padding lengths), and cuDNN's form can."""
+    return (isinstance(config.score_mod, Alibi)
+            and (reason(config) is not None or _reads_per_batch(config))
             and alibi_reason(config) is None)
 
 
@@ -108,8 +109,11 @@ def per_entry(config: AttnConfig) -> bool:
     wrong scores from a per-batch score_mod tensor (tests/gpu/test_flex_gpu.py
     per_batch_scale), so such a call runs one batch entry at a time, each entry's
     graph reading a tensor of its own (`native_op` loops)."""
-    return (not PER_BATCH_INPUTS_OK and is_flex(config) and config.batch > 1
-            and reason(config) is None
+    return not PER_BATCH_INPUTS_OK and is_flex(config) and _reads_per_batch(config)
+
+
+def _reads_per_batch(config: AttnConfig) -> bool:
+    return (config.batch > 1 and reason(config) is None
             and any(shape[0] > 1 for shape in lowered(config).input_shapes))
 
 

@@ -338,8 +338,8 @@ def _prune(lines: List[str], result: str) -> List[str]:
 
 def _masks_after_score_mod(forward: Program, bprop: Program) -> None:
     """Orders the forward in the frontend's own form of a score_mod and its masks:
-    each value's score chain first (the first operand too, where the operation
-    commutes), its score-independent operands (a mask's comparison of positions)
+    each value's score chain first (the first operand too, before a value of positions,
+    where the operation commutes), its score-independent operands (a mask's comparison of positions)
     right before it, and every select to -inf with a comparison of its own. The native side generates a forward's index nodes from the
     latest float value, so each mask's indices are generated from the score it masks:
     the form in which cuDNN skips the tiles a causal mask hides."""
@@ -364,8 +364,9 @@ def _masks_after_score_mod(forward: Program, bprop: Program) -> None:
             tokens[j] = visit(int(a[1:]), fresh or (is_mask and j == 0)) \
                 if re.fullmatch(r"v\d+", a) else a
         slots = list(range(len(args)))
-        if op in _COMMUTATIVE and not _reads(args[0], reads_score) and _reads(args[1], reads_score):
-            slots.reverse()  # the score chain as the first operand (see below)
+        if op in _COMMUTATIVE and re.fullmatch(r"v\d+|q|k", args[0]) \
+                and not _reads(args[0], reads_score) and _reads(args[1], reads_score):
+            slots.reverse()  # the score chain before a value of positions (see below)
         lines.append(f"{op}:{','.join(tokens[j] for j in slots)}")
         emitted[i] = f"v{len(lines) - 1}"
         order.setdefault(i, len(lines) - 1)
@@ -384,7 +385,9 @@ def _masks_after_score_mod(forward: Program, bprop: Program) -> None:
 # Float operations whose operands may swap. cuDNN 9.19's backward gives dQ / dK far off
 # (out and dV right) when an add's first operand is a function of positions and its
 # second the score chain (``tanh(q // 16) + s``; ``s + tanh(q // 16)`` is right):
-# the score chain goes first (tests/gpu/test_flex_gpu.py operand_order).
+# the score chain goes before such a value (constants and static inputs keep their
+# place: the frontend's own forms, soft-capping's ``c * tanh``; tests/gpu/test_flex_gpu.py
+# position_term_first).
 _COMMUTATIVE = frozenset({"add", "mul", "max", "min"})
 
 
