@@ -32,7 +32,8 @@ def batch_number(s, b, h, q, k):
 
 
 CASES = {
-    "per_batch_arg": dict(score_mod=per_batch_scale, score_mod_args=(jnp.asarray([0.5, 1.0, 2.0]),)),
+    "per_batch_arg": dict(score_mod=per_batch_scale,
+                          score_mod_args=(jnp.asarray([0.5, 1.0, 2.0]),)),
     "batch_number_causal_gqa": dict(score_mod=batch_number, mask="causal", h_kv=2),
     "padding_sbhd": dict(score_mod=batch_number, layout="sbhd",
                          sequence=fusedattn.SequenceDescriptor.from_lengths(
@@ -86,7 +87,8 @@ def test_cudnn_runs_values_varying_over_the_batch_per_entry():
     for b in range(B):
         got = one.evaluate((w, jnp.int32(b), jnp.int32(0)), ())
         for g, r in zip(got, rows):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(r)[b if r.shape[0] > 1 else 0:][:1])
+            row = b if r.shape[0] > 1 else 0
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r)[row:row + 1])
     per_head, _ = build_call(q, q, q, score_mod=lambda s, b, h, i, j, w: s * w[h],
                              score_mod_args=(jnp.ones(H),))
     assert not flex.per_entry(per_head)

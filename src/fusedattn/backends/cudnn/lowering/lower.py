@@ -339,10 +339,11 @@ def _prune(lines: List[str], result: str) -> List[str]:
 def _masks_after_score_mod(forward: Program, bprop: Program) -> None:
     """Orders the forward in the frontend's own form of a score_mod and its masks:
     each value's score chain first (the first operand too, before a value of positions,
-    where the operation commutes), its score-independent operands (a mask's comparison of positions)
-    right before it, and every select to -inf with a comparison of its own. The native side generates a forward's index nodes from the
-    latest float value, so each mask's indices are generated from the score it masks:
-    the form in which cuDNN skips the tiles a causal mask hides."""
+    where the operation commutes), its score-independent operands (a mask's comparison
+    of positions) right before it, and every select to -inf with a comparison of its
+    own. The native side generates a forward's index nodes from the latest float value,
+    so each mask's indices are generated from the score it masks: the form in which
+    cuDNN skips the tiles a causal mask hides."""
     parsed = parse_lines(forward.lines)
     reads_score = []
     for op, args in parsed:

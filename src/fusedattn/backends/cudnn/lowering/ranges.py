@@ -1,9 +1,8 @@
 """How large a forward program's result can get: interval arithmetic over its text.
 
 cuDNN's backward recomputes the probabilities from float32 scores, and its error grows
-with their magnitude (docs/decisions.md: dV about 0.3 relative off where the scores reach
-1.3e7, against 2.6e-3 at 1.3e5). So a program whose result provably reaches beyond
-`LIMIT` is refused (`flex.reason`). Positions are bounded by the call's lengths, the
+with their magnitude (docs/decisions.md has the measurements). So a program whose result
+provably reaches beyond `LIMIT` is refused (`flex.reason`). Positions are bounded by the call's lengths, the
 score is taken as [-1, 1] (a unit logit: the bound measures what the program adds to or
 multiplies into it), static inputs (per-head values, lengths) as unknown. Unknown
 propagates as unbounded, and an unbounded result is not refused: only what can be shown
