@@ -90,7 +90,8 @@ ACCEPTED = {
 }
 
 # cuDNN's own ALiBi (`cudnn_flex.alibi_reason`) refuses these because the frontend
-# does; the frontend must agree. (With padding lengths, where no program runs either.)
+# does; the frontend must agree. (With padding lengths: the lowered program runs
+# instead, one batch entry at a time.)
 REFUSED = {
     "alibi-no-mask": (dict(sequence="padding"), "right_bound needs to be set to 0"),
     "alibi-bottom-right": (dict(mask="causal_bottom_right", sequence="padding"),
@@ -113,7 +114,7 @@ def test_frontend_accepts_our_graphs(name, sm):
 def test_frontend_refuses_what_we_refuse(name, sm):
     change, fragment = REFUSED[name]
     cfg = dataclasses.replace(BASE, score_mod=ALIBI, **change)
-    assert cudnn.config_reason(cfg) is not None
+    assert cudnn.flex.alibi_reason(cfg) is not None and cudnn.flex.per_entry(cfg)
     # the key cuDNN's ALiBi would have: the config's without the score_mod, alibi=1
     key = cudnn.graph_key(dataclasses.replace(cfg, score_mod=None)).replace("alibi=0", "alibi=1")
     messages = EXT.cudnn_validate_graphs(key, sm)
@@ -181,9 +182,8 @@ def test_frontend_accepts_lowered_score_mods(name, variant):
                   jnp.array([128, 50]), jnp.array([70, 128])))}[variant]
     cfg = _flex_config(name, **change)
     why = cudnn.config_reason(cfg)
-    if variant == "padding":  # lengths are per-batch tensors, which cuDNN 9.19 misreads
-        assert "vary over the batch" in why, why
-    else:
-        assert why is None, why
-    messages = EXT.cudnn_validate_graphs(cudnn.graph_key(cfg), 90)
+    assert why is None, why
+    # lengths are per-batch tensors, which cuDNN 9.19 misreads: one entry at a time
+    assert cudnn.flex.per_entry(cfg) == (variant == "padding")
+    messages = EXT.cudnn_validate_graphs(cudnn.graph_key(cudnn.support.graphs_config(cfg)), 90)
     assert all(m == "" for m in messages.values()), messages
