@@ -17,13 +17,12 @@ Writes benchmarks/results/block_sparse_<device>.json.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import torch_flex
 from benchmarks.common import (device_meta, device_slug, print_table, run_main, time_row,
                                warm_into, write_results)
 from fusedattn import block_sparse as bs
@@ -96,54 +95,22 @@ def _step(fn, mode, q, k, v, do, extra):
     return jax.jit(run), (q, k, v, do, extra)
 
 
-TORCH = r'''
-import json, math, statistics, time
-import torch
-from torch.nn.attention.flex_attention import flex_attention, create_block_mask
-B, S, H, D, W, P = %d, %d, %d, %d, %d, %d
+# The masks as torch flex_attention mask_mods (`torch_flex` runs and times them).
+TORCH_CASES = r'''
+W, P = %d, %d
 ids = torch.tensor(%s, device="cuda", dtype=torch.int32)
-torch.manual_seed(0)
-q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-for t in (q, k, v):
-    t.requires_grad_(True)
-masks = {
-  "sliding_window": lambda b, h, i, j: (j <= i) & (i - j < W),
-  "prefix_lm": lambda b, h, i, j: (j <= i) | (j < P),
-  "documents": lambda b, h, i, j: ids[i] == ids[j],
-  "causal": lambda b, h, i, j: j <= i,
+cases = {
+  "sliding_window": (None, lambda b, h, i, j: (j <= i) & (i - j < W)),
+  "prefix_lm": (None, lambda b, h, i, j: (j <= i) | (j < P)),
+  "documents": (None, lambda b, h, i, j: ids[i] == ids[j]),
+  "causal": (None, lambda b, h, i, j: j <= i),
 }
-fa = torch.compile(flex_attention)
-def time_round(fn, reps):
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(reps): fn()
-    torch.cuda.synchronize(); return (time.perf_counter() - t0) / reps
-out = {}
-for name, mask in masks.items():
-    bm = create_block_mask(mask, None, None, S, S)
-    fwd = lambda: fa(q, k, v, block_mask=bm)
-    def fb():
-        o = fa(q, k, v, block_mask=bm)
-        torch.autograd.grad(o, (q, k, v), do)
-    calls = {"fwd": fwd, "fwd+bwd": fb}
-    for f in calls.values():
-        for _ in range(3): f()
-    reps = {m: max(3, math.ceil(0.025 / time_round(f, 1))) for m, f in calls.items()}
-    samples = {m: [] for m in calls}
-    for _ in range(7):
-        for m, f in calls.items(): samples[m].append(time_round(f, reps[m]))
-    out[name] = {m: statistics.median(s) for m, s in samples.items()}
-print("RESULT" + json.dumps(out))
 '''
 
 
 def torch_times() -> dict:
-    src = TORCH % (B, S, H, D, WINDOW, PREFIX, json.dumps(_doc_ids()[0].tolist()))
-    proc = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True,
-                          timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT"):
-            return json.loads(line[len("RESULT"):])
-    raise RuntimeError(f"torch flex_attention failed: {proc.stderr[-2000:]}")
+    cases = TORCH_CASES % (WINDOW, PREFIX, json.dumps(_doc_ids()[0].tolist()))
+    return torch_flex.times(B, S, H, D, cases)
 
 
 def main():

@@ -15,14 +15,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 
 import fusedattn
 from benchmarks.bench_attention import _inputs
+from benchmarks import torch_flex
 from benchmarks.common import (device_meta, device_slug, print_table, run_main, step, time_row,
                                warm_into, write_results)
 from fusedattn import score_mods
@@ -64,56 +63,23 @@ def _chunk_count(impl: str):
             os.environ[causal_chunks.ENV_CHUNKS] = previous
 
 
-TORCH = r'''
-import json, math, statistics, sys, time
-import torch
-from torch.nn.attention.flex_attention import flex_attention, create_block_mask
-B, S, H, D = %d, %d, %d, %d
-torch.manual_seed(0)
-q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-for t in (q, k, v):
-    t.requires_grad_(True)
-n = 2 ** (-8.0 / H)
+# The cases as torch flex_attention score_mods and mask_mods (`torch_flex` runs and
+# times them).
+TORCH_CASES = r'''
 slopes = torch.tensor([2 ** (-8.0 * (i + 1) / H) for i in range(H)], device="cuda")
-mods = {
+cases = {
   "relative_position": (lambda s, b, h, i, j: s + 0.01 * (i - j), None),
   "softcap": (lambda s, b, h, i, j: 30.0 * torch.tanh(s / 30.0), None),
   "alibi_lambda": (lambda s, b, h, i, j: s + slopes[h] * (j - i), lambda b, h, i, j: j <= i),
   "causal_relative_position": (lambda s, b, h, i, j: s + 0.01 * (i - j), lambda b, h, i, j: j <= i),
   "document_mask": (None, lambda b, h, i, j: (i // 1024) == (j // 1024)),
 }
-fa = torch.compile(flex_attention)
-def time_round(fn, reps):
-    torch.cuda.synchronize(); t0 = time.perf_counter()
-    for _ in range(reps): fn()
-    torch.cuda.synchronize(); return (time.perf_counter() - t0) / reps
-out = {}
-for name, (mod, mask) in mods.items():
-    bm = create_block_mask(mask, None, None, S, S) if mask else None
-    fwd = lambda: fa(q, k, v, score_mod=mod, block_mask=bm)
-    def fb():
-        o = fa(q, k, v, score_mod=mod, block_mask=bm)
-        torch.autograd.grad(o, (q, k, v), do)
-    calls = {"fwd": fwd, "fwd+bwd": fb}
-    for f in calls.values():
-        for _ in range(3): f()
-    reps = {m: max(3, math.ceil(0.025 / time_round(f, 1))) for m, f in calls.items()}
-    samples = {m: [] for m in calls}
-    for _ in range(7):
-        for m, f in calls.items(): samples[m].append(time_round(f, reps[m]))
-    out[name] = {m: statistics.median(s) for m, s in samples.items()}
-print("RESULT" + json.dumps(out))
 '''
 
 
 def torch_times() -> dict:
     """{case: {mode: seconds}} from PyTorch flex_attention in a child process."""
-    proc = subprocess.run([sys.executable, "-c", TORCH % (B, S, H, D)], capture_output=True,
-                          text=True, timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT"):
-            return json.loads(line[len("RESULT"):])
-    raise RuntimeError(f"torch flex_attention failed: {proc.stderr[-2000:]}")
+    return torch_flex.times(B, S, H, D, TORCH_CASES)
 
 
 def main():
