@@ -233,6 +233,24 @@ def test_segment_ids(sort, mask, window):
     check(bm, vis[:, None])
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_segment_ids_alone_are_counted_per_block(seed):
+    """A documents map alone skips the pairs (ids ranked and counted per block): still
+    exact, for unsorted ids, padding, lengths past a block and uneven blocks."""
+    rng = np.random.default_rng(seed)
+    b, s_q, s_kv = int(rng.integers(1, 3)), int(rng.integers(40, 300)), int(rng.integers(40, 300))
+    block = (int(rng.choice([32, 64, 128])), int(rng.choice([32, 64, 128])))
+    q_ids, kv_ids = (rng.integers(0, int(rng.integers(1, 6)), (b, s)) for s in (s_q, s_kv))
+    if seed % 2:
+        q_ids, kv_ids = np.sort(q_ids, axis=1), np.sort(kv_ids, axis=1)
+    pad = None if seed % 3 == 0 else 0
+    vis = q_ids[:, :, None] == kv_ids[:, None, :]
+    if pad is not None:
+        vis &= q_ids[:, :, None] != pad
+    for ids in ((q_ids, kv_ids), (jnp.asarray(q_ids), jnp.asarray(kv_ids))):
+        check(bs.from_segment_ids(*ids, pad_id=pad, block=block), vis[:, None])
+
+
 def test_segment_ids_host_static_and_pad_none():
     ids = np.repeat(np.array([[0, 1, 2, 0]]), [64, 100, 50, 40], axis=1)
     bm = bs.from_segment_ids(ids, pad_id=None)

@@ -4,9 +4,10 @@ Static masks are classified with numpy at trace time (the mask_mod runs eagerly 
 the host CPU backend, never on an accelerator, and nothing enters the traced
 program). Others run on the device, a group of query blocks at a time
 (`lax.map`), so the largest intermediate is a few query blocks by all keys,
-never the whole ``s_q x s_kv`` grid. Two shapes skip the element-wise work:
-per-row key intervals (the built-in masks) need O(s_q x key blocks), and a
-dense mask is reduced as it is (it is already ``s_q x s_kv``).
+never the whole ``s_q x s_kv`` grid. Three shapes skip the element-wise work:
+per-row key intervals (the built-in masks) need O(s_q x key blocks), segment ids
+need a sort and a per-block count of each id (`_segments`), and a dense mask is
+reduced as it is (it is already ``s_q x s_kv``).
 """
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from .block_map import EMPTY, FULL, PARTIAL
-from .terms import Dense, ElementMask, Intervals
+from .terms import Dense, ElementMask, Intervals, Segments
 
 # Booleans per step of the block loop (host chunks and device lax.map batches).
 CHUNK_ELEMENTS = 1 << 24
+# Segment ids are counted per block and id in a [batch, blocks, ids] table up to this size.
+MAX_SEGMENT_TABLE = 1 << 26
 # Element-wise evaluation on the host beyond this many pairs (about 1 s at 16k x 16k)
 # is slower than a trace should be: such static masks are classified on the device.
 MAX_HOST_ELEMENTS = 1 << 28
@@ -41,6 +44,11 @@ def classify(element: ElementMask, block: Tuple[int, int], host: bool):
     terms = element.terms
     if len(terms) == 1 and isinstance(terms[0], Dense):
         return _dense(terms[0].mask, element, block, np if host else jnp)
+    if len(terms) == 1 and isinstance(terms[0], Segments):
+        n_ids = element.s_q + element.s_kv
+        if element.batch * n_ids * -(-max(element.s_q, element.s_kv) // min(block)) \
+                <= MAX_SEGMENT_TABLE:
+            return _segments(terms[0], element, block, np if host else jnp)
     if len(terms) == 1 and isinstance(terms[0], Intervals):
         fn = _interval_fn(terms[0], element, block, np if host else jnp)
     else:
@@ -137,3 +145,49 @@ def _dense(mask, element: ElementMask, block, xp):
     m = m.reshape(B, H, n_q, bq, n_kv, bk)
     any_, all_ = m.any(axis=(3, 5)), m.all(axis=(3, 5))
     return xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY)).astype(np.int32)
+
+
+def _segments(term: Segments, element: ElementMask, block, xp):
+    """Exact kinds of a documents mask without its pairs: ids are ranked (one sort per
+    row), each block counts its (non-pad) ids, and a block pair is touched when the
+    product of two blocks' counts is non-zero; full when both blocks hold one id,
+    the same, with no padding and no overhang."""
+    bq, bk = block
+    s_q, s_kv = element.s_q, element.s_kv
+    B = term.batch
+    q = xp.broadcast_to(xp.asarray(term.q_ids), (B, s_q))
+    kv = xp.broadcast_to(xp.asarray(term.kv_ids), (B, s_kv))
+    ids = xp.concatenate([q, kv], axis=1)
+    order = xp.argsort(ids, axis=1)
+    ranked = xp.take_along_axis(ids, order, axis=1)
+    new = xp.concatenate([xp.ones((B, 1), bool), ranked[:, 1:] != ranked[:, :-1]], axis=1)
+    rank = xp.take_along_axis(xp.cumsum(new, axis=1) - 1, xp.argsort(order, axis=1), axis=1)
+    n_ids = s_q + s_kv
+
+    def per_block(rank, ids, size):
+        s = ids.shape[1]
+        n = -(-s // size)
+        valid = xp.ones((B, s), bool) if term.pad_id is None else ids != term.pad_id
+        counts = _scatter_add(xp, (B, n, n_ids),
+                              (xp.arange(B)[:, None], xp.arange(s)[None, :] // size, rank),
+                              valid.astype(np.float32))
+        pad = ((0, 0), (0, n * size - s))
+        r = xp.pad(rank, pad, constant_values=-1).reshape(B, n, size)
+        whole = xp.pad(valid, pad).reshape(B, n, size).all(axis=2)
+        one_id = whole & (r.min(axis=2) == r.max(axis=2))
+        return counts, one_id, r[:, :, 0]
+
+    cq, q_one, q_id = per_block(rank[:, :s_q], q, bq)
+    ck, kv_one, kv_id = per_block(rank[:, s_q:], kv, bk)
+    any_ = xp.einsum("bqr,bkr->bqk", cq, ck) > 0
+    all_ = q_one[:, :, None] & kv_one[:, None, :] & (q_id[:, :, None] == kv_id[:, None, :])
+    kinds = xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY)).astype(np.int32)
+    return kinds[:, None]
+
+
+def _scatter_add(xp, shape, index, values):
+    if xp is np:
+        out = np.zeros(shape, np.float32)
+        np.add.at(out, tuple(np.broadcast_arrays(*index)), values)
+        return out
+    return jnp.zeros(shape, jnp.float32).at[index].add(values)

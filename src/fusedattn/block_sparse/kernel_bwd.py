@@ -1,9 +1,11 @@
 """Block-sparse attention backward as two Pallas Mosaic GPU kernels (Hopper).
 
-`dq` walks the query-major lists (per 128-query tile, its key blocks) and `dkv`
-the key-major ones (per 128-key tile, its query blocks), so neither needs atomics
-and both are deterministic. Each step handles half a 128 block (64 rows), which
-keeps two 64x64 score tiles and the accumulators within the register budget.
+`dq` walks the query-major lists (per 128-query tile, its key blocks, a whole
+block a step) and `dkv` the key-major ones (per 128-key tile, its query blocks,
+half a block a step: two 64x64 score tiles and the dk / dv accumulators fill the
+register budget). Neither needs atomics, so both are deterministic; adding dq
+from the dkv kernel with TMA reduce-adds measured slower (docs/decisions.md).
+Each step issues its two score products (S and dP) together, with one wait.
 `lse_delta` is ``[B, H, 2, S]`` f32: the base-2 lse (+inf on rows with no key,
 so their probabilities are 0) and delta = rowsum(dO * O), computed in XLA.
 dk / dv come per query head; the caller sums a GQA group.
@@ -18,7 +20,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, col_vector, cols_of, iota,
-                           logits, matmul_acc, matmul_t, row_vector, rows_of, smem_tiled, tile)
+                           logits, matmul_acc, matmul_acc2, matmul_t2, row_vector, rows_of,
+                           smem_tiled, tile)
 
 HALF = BLOCK // 2
 
@@ -41,7 +44,8 @@ def _run(body, out_type, scratch, grid, args, interpret):
 
 def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=None,
        interpret=None):
-    """dq [B, S, H, D] in q's dtype; `lists` are the query-major ones of the map."""
+    """dq [B, S, H, D] in q's dtype; `lists` are the query-major ones of the map.
+    Each step takes a whole key block."""
     B, S, H, D = q.shape
     group = H // k.shape[2]
     dt = q.dtype
@@ -50,7 +54,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
     n_qa = 0 if qa is None else qa.shape[1]
     n_ka = 0 if ka is None else ka.shape[1]
     hw = interpret is None
-    shape = (ROWS, HALF)
+    shape = (ROWS, BLOCK)
 
     def body(*refs):
         (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, qa_ref, ka_ref, d_ref, refs = \
@@ -64,7 +68,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
         h_kv = h // group
         walk = Lists(list_refs, b, h, t, mb, mh)
-        steps = 2 * walk.count                      # two key halves per listed block
+        steps = walk.count
 
         @pl.when(wg < NWG)
         def _compute():
@@ -88,12 +92,13 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
 
             def step(s_i, acc):
                 slot = lax.rem(s_i, NSTAGE)
-                j, partial = walk.entry(s_i // 2)
-                k0 = j * BLOCK + lax.rem(s_i, 2) * HALF
+                j, partial = walk.entry(s_i)
+                k0 = j * BLOCK
                 plgpu.barrier_wait(k_ready.at[slot])
                 if n_ka:
                     plgpu.barrier_wait(ka_ready.at[slot])
-                s = matmul_t(qw, k_smem.at[slot], shape, interpret)
+                plgpu.barrier_wait(v_ready.at[slot])
+                s, dp = matmul_t2(qw, k_smem.at[slot], dow, v_smem.at[slot], shape, interpret)
                 q_pos = lambda: iota(shape, 0, q0)
                 kv_pos = lambda: iota(shape, 1, k0)
 
@@ -104,7 +109,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
                     d = None
                     if dense is not None:
                         at = (b if dense.shape[0] > 1 else 0, h if dense.shape[1] > 1 else 0)
-                        plgpu.copy_gmem_to_smem(d_ref.at[at + (rows, pl.ds(k0, HALF))],
+                        plgpu.copy_gmem_to_smem(d_ref.at[at + (rows, pl.ds(k0, BLOCK))],
                                                 d_smem.at[wg], d_ready.at[wg])
                         plgpu.barrier_wait(d_ready.at[wg])
                         d = tile(d_smem.at[wg], interpret) != 0
@@ -113,8 +118,6 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
                 s, dmod = logits(s, scale=scale, score_mod=score_mod, b=b, h=h, q=q_pos,
                                  kv=kv_pos, partial=partial, visible=visible, with_grad=True)
                 p = jnp.exp2(s - rows_of(lse, shape))
-                plgpu.barrier_wait(v_ready.at[slot])
-                dp = matmul_t(dow, v_smem.at[slot], shape, interpret)
                 ds = p * (dp - rows_of(delta, shape))
                 if dmod is not None:
                     ds = ds * dmod
@@ -135,8 +138,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
 
             def issue(s_i, _):
                 slot = lax.rem(s_i, NSTAGE)
-                j, _ = walk.entry(s_i // 2)
-                keys = pl.ds(j * BLOCK + lax.rem(s_i, 2) * HALF, HALF)
+                j, _ = walk.entry(s_i)
+                keys = pl.ds(j * BLOCK, BLOCK)
                 pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], k_smem.at[slot], k_ready.at[slot])
                 if n_ka:
@@ -149,13 +152,13 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
 
     scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NWG, ROWS, D), dt),
                plgpu.SMEM((NWG, 2, ROWS), F32),
-               smem_tiled((NSTAGE, HALF, D), dt), smem_tiled((NSTAGE, HALF, D), dt)]
+               smem_tiled((NSTAGE, BLOCK, D), dt), smem_tiled((NSTAGE, BLOCK, D), dt)]
     if n_qa:
         scratch.append(plgpu.SMEM((NWG, n_qa, ROWS), jnp.int32))
     if n_ka:
-        scratch.append(plgpu.SMEM((NSTAGE, n_ka, HALF), jnp.int32))
+        scratch.append(plgpu.SMEM((NSTAGE, n_ka, BLOCK), jnp.int32))
     if dense is not None:
-        scratch.append(plgpu.SMEM((NWG, ROWS, HALF), jnp.int16))
+        scratch.append(plgpu.SMEM((NWG, ROWS, BLOCK), jnp.int16))
     scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
@@ -221,7 +224,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
                 plgpu.barrier_wait(ld_ready.at[slot])
                 if n_qa:
                     plgpu.barrier_wait(qa_ready.at[slot])
-                st = matmul_t(kw_, q_smem.at[slot], shape, interpret)
+                plgpu.barrier_wait(do_ready.at[slot])
+                st, dpt = matmul_t2(kw_, q_smem.at[slot], vw, do_smem.at[slot], shape, interpret)
                 q_pos = lambda: iota(shape, 1, q0)
                 kv_pos = lambda: iota(shape, 0, k0)
 
@@ -241,13 +245,12 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
                 st, dmod = logits(st, scale=scale, score_mod=score_mod, b=b, h=h, q=q_pos,
                                   kv=kv_pos, partial=partial, visible=visible, with_grad=True)
                 pt = jnp.exp2(st - cols_of(col_vector(ld_smem.at[slot, 0], interpret), shape))
-                plgpu.barrier_wait(do_ready.at[slot])
-                dv = matmul_acc(dv, pt.astype(dt), do_smem.at[slot], interpret)
-                dpt = matmul_t(vw, do_smem.at[slot], shape, interpret)
                 dst = pt * (dpt - cols_of(col_vector(ld_smem.at[slot, 1], interpret), shape))
                 if dmod is not None:
                     dst = dst * dmod
-                dk = matmul_acc(dk, dst.astype(dt), q_smem.at[slot], interpret)
+                dst = dst.astype(dt)
+                dv, dk = matmul_acc2(dv, pt.astype(dt), do_smem.at[slot],
+                                     dk, dst, q_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv
 

@@ -48,6 +48,30 @@ def matmul_acc(acc, a, b_ref, interpret):
     return pl.run_state(lambda r: plgpu.wgmma(r, a, b_ref))(plgpu.ACC.init(acc))
 
 
+def matmul_t2(a1, b1, a2, b2, shape, interpret):
+    """(a1 @ b1.T, a2 @ b2.T) with both wgmmas in flight at once (one wait, not two)."""
+    if interpret:
+        return tuple(jnp.dot(a[...], b[...].T, preferred_element_type=F32)
+                     for a, b in ((a1, b1), (a2, b2)))
+
+    def run(x, y):
+        plgpu.wgmma(x, a1, b1.T)
+        plgpu.wgmma(y, a2, b2.T)
+        return x[...], y[...]
+    return pl.run_scoped(run, plgpu.ACC(shape, F32), plgpu.ACC(shape, F32))
+
+
+def matmul_acc2(acc1, a1, b1, acc2, a2, b2, interpret):
+    """(acc1 + a1 @ b1, acc2 + a2 @ b2) with both wgmmas in flight at once."""
+    if interpret:
+        return (matmul_acc(acc1, a1, b1, interpret), matmul_acc(acc2, a2, b2, interpret))
+
+    def run(refs):
+        plgpu.wgmma(refs[0], a1, b1)
+        plgpu.wgmma(refs[1], a2, b2)
+    return pl.run_state(run)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2)))
+
+
 def row_vector(ref, interpret):
     """A 1-D SMEM vector laid out along the rows of a wgmma tile."""
     return ref[...] if interpret else plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
