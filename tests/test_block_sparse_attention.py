@@ -69,10 +69,12 @@ def test_bf16_within_tolerance():
         assert rel_error(g, r) < 4e-2
 
 
-def test_mask_mod_reading_arrays_is_refused_by_name():
+def test_mask_mod_gathering_by_both_positions_is_refused_by_name():
+    """A kernel cannot gather: a read indexed by query and key together has no
+    in-kernel form (reads by one position are hoisted: tests/test_block_sparse_hoisting.py)."""
     from fusedattn import block_sparse as bs
-    table = jnp.arange(S)
-    bm = bs.block_map(lambda b, h, i, j, t: t[i] >= t[j], s_q=S, s_kv=S, args=(table,))
+    pairs = jnp.ones((S, S), bool)
+    bm = bs.block_map(lambda b, h, i, j, m: m[i, j], s_q=S, s_kv=S, args=(pairs,))
     with pytest.raises(Unsupported, match="reads arrays"):
         kernel_mask(bm.element)
 

@@ -2,22 +2,21 @@
 
 A kernel cannot gather, so each term of an `ElementMask` becomes per-row arrays
 (read once per query tile), per-column arrays (read with each key block), a
-dense tile, or a pure function of positions. ``fn(b, h, q, kv, q_vals, kv_vals,
-dense)`` then works on any broadcasting shapes: 2-D position tiles inside the
-Mosaic kernels, ``[R, 1]`` / ``[1, C]`` in the jnp reference.
+dense tile, or a pure function of positions. A mask_mod that reads arrays gives
+the values it reads per row or per column (see `hoisting`). ``fn(b, h, q, kv,
+q_vals, kv_vals, dense)`` then works on any broadcasting shapes: 2-D position
+tiles inside the Mosaic kernels, ``[R, 1]`` / ``[1, C]`` in the jnp reference.
 """
 from __future__ import annotations
 
 from typing import Callable, List, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .hoisting import Unsupported, hoist  # (Unsupported: this module's error too)
 from .terms import Dense, ElementMask, Intervals, MaskMod, Segments
-
-
-class Unsupported(ValueError):
-    """The mask has a term no kernel evaluates (the message says which and why)."""
 
 
 class KernelMask(NamedTuple):
@@ -48,7 +47,8 @@ def kernel_mask(element: ElementMask) -> KernelMask:
             parts.append(seg)
         elif isinstance(term, MaskMod):
             if term.reads.args:
-                raise Unsupported("a mask_mod that reads arrays has no in-kernel form yet")
+                parts.append(_hoisted(term, element, q_arrays, kv_arrays))
+                continue
             fn, args = term.fn, term.without_args().args
             if term.q_pos is None:
                 parts.append(lambda b, h, q, kv, qv, kvv, d, fn=fn, args=args:
@@ -75,6 +75,33 @@ def kernel_mask(element: ElementMask) -> KernelMask:
         return jnp.ones(jnp.broadcast_shapes(jnp.shape(q), jnp.shape(kv)), bool) \
             if visible is None else visible
     return KernelMask(_stack(q_arrays), _stack(kv_arrays), dense, fn)
+
+
+def _hoisted(term: MaskMod, element: ElementMask, q_arrays: List, kv_arrays: List):
+    """The part of a mask_mod that reads arrays: the values it reads appended to
+    q_arrays / kv_arrays, the rest evaluated on tiles."""
+    fn, args = term.fn, term.args
+    if term.q_pos is not None:
+        # packed positions are per-row / per-column reads too: hoisted with the rest
+        args = args + (term.q_pos, term.kv_pos)
+        fn = (lambda b, h, q, kv, *xs, inner=term.fn:
+              inner(b, h, _at(xs[-2], b, q), _at(xs[-1], b, kv), *xs[:-2]))
+    specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
+    split = hoist(fn, specs, term.batch, term.heads, element.s_q, element.s_kv)
+    rows, cols = split.values(args)
+    a, c = len(q_arrays), len(kv_arrays)
+    q_arrays += rows
+    kv_arrays += cols
+
+    def part(b, h, q, kv, qv, kvv, d):
+        return split(b, h, q, kv, qv[a:a + split.n_rows], kvv[c:c + split.n_cols])
+    return part
+
+
+def _at(a, b, i):
+    """``a[b, i]`` for positions ``[B|1, s]`` (index clipped: blocks overhang the sequence)."""
+    b = b if a.shape[0] > 1 else jnp.zeros_like(b)
+    return a[b, jnp.clip(i, 0, a.shape[1] - 1)]
 
 
 def _stack(arrays):
