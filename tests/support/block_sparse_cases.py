@@ -35,6 +35,11 @@ def block_map(family: str, b: int, h: int, s: int):
     if family == "documents_causal":
         return bs.from_segment_ids(jnp.asarray(doc_ids(b, s, [s // 4, 3 * s // 8])),
                                    mask="causal")
+    if family == "documents_mask_mod":   # ids and per-row prefix lengths read as arrays
+        ids = jnp.asarray(doc_ids(b, s, [s // 8, s // 4, s // 8 + 40]))
+        prefix = jnp.arange(b, dtype=jnp.int32) * 50 + 30
+        return bs.block_map(lambda b_, h_, i, j, d, n: (d[b_, i] == d[b_, j]) & (j <= i)
+                            | (j < n[b_]), b, h, s, s, args=(ids, prefix))
     if family == "head_dependent":
         return bs.block_map(lambda b_, h_, i, j: (j <= i) & (i - j < 64 * (h_ + 1)), b, h, s, s)
     if family == "builtin_window":
@@ -50,7 +55,7 @@ def block_map(family: str, b: int, h: int, s: int):
 
 
 FAMILIES = ("causal", "sliding_window", "prefix_lm", "documents", "documents_causal",
-            "head_dependent", "builtin_window", "random_dense")
+            "documents_mask_mod", "head_dependent", "builtin_window", "random_dense")
 
 
 def dense_visibility(bm, b, h, s):
