@@ -1,5 +1,6 @@
 """A small GPT in Flax (linen), trained on a synthetic next-token task with three
-attention functions: Flax's default, fusedattn (`fusedattn.flax.attention_fn`) and
+attention functions: Flax's default, fusedattn (`fusedattn.flax.attention_fn`, told
+``is_causal`` or given Flax's causal mask) and
 `jax.nn.dot_product_attention(implementation="cudnn")`. Prints the step time and loss
 of each, and saves a loss plot (PNG) when matplotlib is installed.
 
@@ -29,9 +30,16 @@ def flax_default(q, k, v):
     return nn.dot_product_attention(q, k, v, mask=causal)
 
 
+def fusedattn_causal_mask(q, k, v):
+    """fusedattn given the causal mask as Flax code builds it (a dense boolean mask)."""
+    causal = nn.make_causal_mask(jnp.ones(q.shape[:2]), dtype=jnp.bool_)
+    return fusedattn.flax.attention_fn(q, k, v, mask=causal)
+
+
 ATTENTION = {
     "flax default": flax_default,
     "fusedattn": functools.partial(fusedattn.flax.attention_fn, is_causal=True),
+    "fusedattn, mask": fusedattn_causal_mask,
     "jax.nn cudnn": functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                       implementation="cudnn"),
 }

@@ -105,6 +105,7 @@ def explain(q, k, v, *, backend: str = "auto", context_parallel=None, **options)
     if found is None:
         return plan
     mesh_shape, specs = found
+    config = dispatch.config_for(config, plan.chosen)  # (a dense mask as the backend takes it)
     dims = partitioning.input_dims(config, inputs._replace(rng=None))
     arrays = [(name, d, spec) for name, d, spec in zip(("q", "k", "v"), (dims.q, dims.k, dims.v),
                                                       specs) if d is not None]

@@ -21,6 +21,11 @@ the reference for all of them):
   ``"learnable"`` adds a per-head sink logit ``softmax_offset[h]``.
 * Rows with no visible key produce 0 (never NaN); padded query positions
   produce exactly 0.
+* A dense boolean mask (``dense_mask_shape``, the drop-ins' ``mask``) hides the pairs
+  it marks False. Backends that take no such mask get it as the bias term
+  ``-0.7 * finfo(dtype).max`` (`mask_as_bias`), jax.nn's own constant. A row it
+  hides entirely then gives no 0 (the constant shifts all its keys alike); the
+  drop-ins, which define such rows, overwrite them on both routes.
 * The saved statistic is fp32 log-sum-exp ``[b, h_q, s_q]`` (sink included).
 """
 from __future__ import annotations
@@ -62,6 +67,13 @@ class AttnConfig:
     window: Optional[Tuple[int, int]] = None
     # Bias shape as given, 4-d, with 1 on broadcast dimensions; None for no bias.
     bias_shape: Optional[Tuple[int, int, int, int]] = None
+    # A dense boolean mask (the drop-ins' `mask`, True: visible): its shape
+    # [1|b, 1|h_q, s_q, s_kv]; None for none. Backends that take it read it as a mask
+    # (block_sparse: a map built on the device); dispatch gives every other backend the
+    # config of `mask_as_bias` and the mask as an additive bias. Left out of repr: the
+    # persistent cache keys measured choices by repr, and what is measured never holds one.
+    dense_mask_shape: Optional[Tuple[int, int, int, int]] = dataclasses.field(
+        default=None, repr=False)
     scale: float = 1.0
     softmax: str = "vanilla"
     dropout: float = 0.0
@@ -89,6 +101,20 @@ class AttnConfig:
     @property
     def has_bias(self) -> bool:
         return self.bias_shape is not None
+
+    @property
+    def has_dense_mask(self) -> bool:
+        return self.dense_mask_shape is not None
+
+    def mask_as_bias(self) -> "AttnConfig":
+        """This config with its dense mask folded into the bias (`inputs.mask_as_bias`
+        makes the matching arrays): what backends that take no dense mask run."""
+        if not self.has_dense_mask:
+            return self
+        shape = self.dense_mask_shape
+        if self.has_bias:
+            shape = tuple(max(a, b) for a, b in zip(shape, self.bias_shape))
+        return dataclasses.replace(self, bias_shape=shape, dense_mask_shape=None)
 
     @property
     def causal(self) -> bool:
@@ -146,6 +172,8 @@ class AttnConfig:
             parts.append(f"window{self.window}")
         if self.has_bias:
             parts.append(f"bias{self.bias_shape}")
+        if self.has_dense_mask:
+            parts.append(f"bool-mask{self.dense_mask_shape}")
         if self.softmax != "vanilla":
             parts.append(self.softmax)
         if self.has_dropout:

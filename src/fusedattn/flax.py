@@ -6,7 +6,9 @@ attention layers and `DotProductAttention` modules for linen and nnx.
   ``nn.MultiHeadDotProductAttention(..., attention_fn=fusedattn.flax.attention_fn)``
   and ``nnx.MultiHeadAttention(..., attention_fn=fusedattn.flax.attention_fn)`` run
   fusedattn's plan. It never refuses what Flax accepts: calls no fused kernel
-  serves run Flax's own function (see `fallback_reason`).
+  serves run Flax's own function (see `fallback_reason`). A mask runs as a block map
+  where a backend takes one (block_sparse, on Hopper), else as an additive bias
+  (`explain` says which, and why).
 * `DotProductAttention` (linen) and `NnxDotProductAttention` (nnx): the attention
   core with fusedattn's options as module attributes, in the spirit of
   TransformerEngine's Flax module: masks, windows, padding / packing descriptors,
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +29,15 @@ from flax.linen import attention as linen_attention
 from flax.nnx.nn import attention as nnx_attention
 from flax.nnx.nn import dtypes as nnx_dtypes
 
+from . import dispatch
 from .api import fused_attn
 from .config import DTYPES
 from .context_parallel import ContextParallel
-from .jax_nn import log_fallback, masked_attention
+from .jax_nn import log_fallback, masked_attention, masked_plan, traced_plan
 from .sequence import SequenceDescriptor
 
-__all__ = ["attention_fn", "fallback_reason", "DotProductAttention", "NnxDotProductAttention"]
+__all__ = ["attention_fn", "explain", "fallback_reason", "DotProductAttention",
+           "NnxDotProductAttention"]
 
 # Flax's own functions as they were at import, the fallbacks: a test or a user may
 # replace the names in flax with `attention_fn`, which must not then call itself.
@@ -64,13 +68,7 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     """
     _check_shapes(query, key, value)
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
-    reason = fallback_reason(query, key, value, broadcast_dropout=broadcast_dropout,
-                             dropout_rate=dropout_rate, deterministic=deterministic,
-                             dtype=dtype, precision=precision, module=module,
-                             force_fp32_for_softmax=force_fp32_for_softmax,
-                             einsum_dot_general=einsum_dot_general,
-                             qk_attn_weights_einsum=qk_attn_weights_einsum,
-                             attn_weights_value_einsum=attn_weights_value_einsum)
+    reason = _fallback(query, key, value, locals())
     if reason is not None:
         log_fallback("fusedattn.flax.attention_fn", reason)
         if isinstance(module, nnx.Module):
@@ -87,19 +85,64 @@ def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout: boo
     dropping = dropout_rate > 0.0 and not deterministic
     if dropping and dropout_rng is None:
         raise ValueError("attention_fn: dropout_rate > 0 needs dropout_rng")
-    lead = query.shape[:-3]
     out_shape = query.shape[:-1] + value.shape[-1:]
     if math.prod(out_shape) == 0 or key.shape[-3] == 0:
         return jnp.zeros(out_shape, query.dtype)
+    q, k, v, options = _arguments(query, key, value, bias, mask, is_causal,
+                                  dropout_rate if dropping else 0.0,
+                                  dropout_rng if dropping else None, backend)
+    return masked_attention(q, k, v, **options).reshape(out_shape)
+
+
+def explain(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
+            dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False,
+            dtype=None, precision=None, module=None, is_causal: bool = False,
+            force_fp32_for_softmax: bool = False, einsum_dot_general=None,
+            qk_attn_weights_einsum=None, attn_weights_value_einsum=None,
+            promote_dtype=nnx_dtypes.promote_dtype,
+            backend: str = "auto") -> Union[dispatch.Plan, str]:
+    """What `attention_fn` with these arguments runs, without running it: the `Plan`
+    (``print`` it: every backend and its reason, and whether ``mask`` runs as a block
+    map or as a bias, and why), or a line saying why Flax's own function runs. Arrays
+    may be `jax.ShapeDtypeStruct`s."""
+    _check_shapes(query, key, value)
+    reason = _fallback(query, key, value, locals())
+    if reason is not None:
+        return f"attention_fn runs Flax's own function: {reason}"
+    if 0 in query.shape[:-1] or key.shape[-3] == 0:
+        return "attention_fn of an empty batch or sequence: zeros, no kernel runs"
+    dropping = dropout_rate > 0.0 and not deterministic
+
+    def plan(query, key, value, bias, mask, rng):
+        query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        q, k, v, options = _arguments(query, key, value, bias, mask, is_causal,
+                                      dropout_rate if dropping else 0.0, rng, backend)
+        return masked_plan(q, k, v, **options)
+    return traced_plan(plan, query, key, value, bias, mask,
+                       dropout_rng if dropping else None)
+
+
+_FALLBACK_OPTIONS = ("broadcast_dropout", "dropout_rate", "deterministic", "dtype", "precision",
+                     "module", "force_fp32_for_softmax", "einsum_dot_general",
+                     "qk_attn_weights_einsum", "attn_weights_value_einsum")
+
+
+def _fallback(query, key, value, arguments: dict):
+    """`fallback_reason` of an `attention_fn` / `explain` call, from its arguments."""
+    return fallback_reason(query, key, value, **{n: arguments[n] for n in _FALLBACK_OPTIONS})
+
+
+def _arguments(query, key, value, bias, mask, is_causal, dropout_rate, dropout_rng, backend):
+    """Flax's arrays [batch..., length, heads, depth] -> (q, k, v with one batch axis,
+    `masked_attention`'s options)."""
+    lead = query.shape[:-3]
     flat = lambda x: x.reshape((math.prod(lead),) + x.shape[len(lead):])  # noqa: E731
-    q, k, v = flat(query), flat(key), flat(value)
     # Flax's masks are often float (make_attention_mask's default): non-zero = attend.
     flat_mask = None if mask is None else _flat_lead(jnp.asarray(mask).astype(bool), lead)
     flat_bias = None if bias is None else _flat_lead(bias, lead)
-    out = masked_attention(q, k, v, bias=flat_bias, mask=flat_mask, is_causal=is_causal,
-                           dropout=dropout_rate if dropping else 0.0,
-                           rng=dropout_rng if dropping else None, backend=backend)
-    return out.reshape(out_shape)
+    return flat(query), flat(key), flat(value), dict(
+        bias=flat_bias, mask=flat_mask, is_causal=is_causal, dropout=dropout_rate,
+        rng=dropout_rng, backend=backend)
 
 
 def fallback_reason(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,

@@ -26,6 +26,21 @@ class AttnInputs(NamedTuple):
     sequence: Optional[SequenceDescriptor] = None
     rng: Optional[jax.Array] = None  # a JAX PRNG key, when dropout > 0
     score_mod_args: Tuple[jax.Array, ...] = ()
+    dense_mask: Optional[jax.Array] = None  # bool [1|b, 1|h_q, s_q, s_kv], True: visible
+
+
+def mask_as_bias(config: AttnConfig, inputs: AttnInputs) -> AttnInputs:
+    """The dense mask folded into the bias, for backends that take no dense mask (with
+    `config.mask_as_bias()`): ``-0.7 * finfo(dtype).max`` where the mask is False (the
+    constant jax.nn adds), plus the bias if any, broadcast to the folded bias shape."""
+    if inputs.dense_mask is None:
+        return inputs
+    large_negative = -0.7 * float(jnp.finfo(config.dtype).max)
+    term = jnp.where(inputs.dense_mask, jnp.zeros((), config.dtype),
+                     jnp.asarray(large_negative, config.dtype))
+    bias = term if inputs.bias is None else inputs.bias + term.astype(inputs.bias.dtype)
+    return inputs._replace(bias=jnp.broadcast_to(bias, config.mask_as_bias().bias_shape),
+                           dense_mask=None)
 
 
 def unpack_qkv(config: AttnConfig, inputs: AttnInputs):

@@ -6,8 +6,10 @@ Switching a model over is changing one import. The arguments map onto
 
 * ``bias`` (broadcastable to ``[B, N, T, S]``) is broadcast over T and S
   (fusedattn's bias broadcasts over batch and heads only); its gradient flows.
-* ``mask`` (bool, True = attend) becomes an additive term of
-  ``-0.7 * finfo(q.dtype).max`` where False, added to the bias.
+* ``mask`` (bool, True = attend) goes in as a mask: where a backend runs masks as
+  block maps (block_sparse, on Hopper) only its visible blocks are computed; elsewhere
+  it becomes jax.nn's additive term ``-0.7 * finfo(q.dtype).max`` where False, added
+  to the bias (`explain` says which, and why).
 * ``is_causal`` is the top-left causal mask; ``local_window_size`` an int
   (symmetric) or ``(left, right)`` window around the diagonal (right is 0 under
   a causal mask, where it has no effect).
@@ -23,7 +25,7 @@ empty result. Dtypes no fusedattn backend computes in (float64) run jax.nn's own
 XLA path (captured when fusedattn is imported, so a monkeypatched jax.nn does not
 recurse into this function), unless a fusedattn backend is named;
 `fallback_reason` says whether a call falls back and why, and each reason is
-logged once on the ``fusedattn`` logger.
+logged once on the ``fusedattn`` logger; `explain` gives the plan a call follows.
 """
 from __future__ import annotations
 
@@ -88,6 +90,53 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
             local_window_size=local_window_size, implementation="xla",
             return_residual=return_residual)
     out_shape = np.shape(query)
+    q, k, v, options = _arguments(query, key, value, bias, mask, scale, is_causal,
+                                  query_seq_lengths, key_value_seq_lengths, local_window_size,
+                                  implementation)
+    if q.size == 0 or k.size == 0:
+        # jax.nn's answer for an empty batch (or sequence): an empty (or zero) result.
+        out = jnp.zeros(out_shape, q.dtype)
+        return (out, jnp.zeros(out_shape[:-1], q.dtype)) if return_residual else out
+    out = masked_attention(q, k, v, need_lse=return_residual, **options)
+    if not return_residual:
+        return out.reshape(out_shape)
+    out, lse = out
+    return out.reshape(out_shape), lse.reshape(out_shape[:-1])
+
+
+def explain(query, key, value, bias=None, mask=None, *, scale: Optional[float] = None,
+            is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+            local_window_size: Union[int, Tuple[int, int], None] = None,
+            implementation: Optional[str] = None, **_) -> Union[dispatch.Plan, str]:
+    """What `dot_product_attention` with these arguments runs, without running it: the
+    `Plan` (``print`` it: every backend and its reason, and whether ``mask`` runs as a
+    block map or as a bias, and why), or a line saying why jax.nn's own code runs.
+    Arrays may be `jax.ShapeDtypeStruct`s."""
+    reason = fallback_reason(query, key, value, implementation=implementation)
+    if reason is not None:
+        return f"dot_product_attention runs jax.nn's own implementation: {reason}"
+    if 0 in np.shape(query) or 0 in np.shape(key):
+        return "dot_product_attention of an empty batch or sequence: zeros, no kernel runs"
+
+    def plan(query, key, value, bias, mask, q_len, kv_len):
+        q, k, v, options = _arguments(query, key, value, bias, mask, scale, is_causal, q_len,
+                                      kv_len, local_window_size, implementation)
+        return masked_plan(q, k, v, **options)
+    return traced_plan(plan, query, key, value, bias, mask, query_seq_lengths,
+                       key_value_seq_lengths)
+
+
+def traced_plan(fn, *arrays) -> dispatch.Plan:
+    """The `Plan` ``fn(*arrays)`` returns, traced on abstract values: nothing runs, and
+    arrays may be ShapeDtypeStructs."""
+    found = []
+    jax.eval_shape(lambda *a: found.append(fn(*a)), *arrays)
+    return found[0]
+
+
+def _arguments(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+               key_value_seq_lengths, local_window_size, implementation):
+    """jax.nn's arguments -> (q, k, v as 4-d, `masked_attention`'s options)."""
     q, k, v = (_as_4d(x, name, "[B, T|S, N|K, H]") for x, name in
                ((query, "query"), (key, "key"), (value, "value")))
     if v.shape != k.shape:
@@ -96,25 +145,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
         raise ValueError(f"query, key and value must share a dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
     backend = _backend(implementation)
-    b, t, n, _ = q.shape
+    b, t, _, _ = q.shape
     s = k.shape[1]
     q_len = kv_len = None
     if query_seq_lengths is not None or key_value_seq_lengths is not None:
         q_len = _lengths(query_seq_lengths, "query_seq_lengths", b, t)
         kv_len = _lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s)
     window = _window(local_window_size, is_causal)
-    if q.size == 0 or k.size == 0:
-        # jax.nn's answer for an empty batch (or sequence): an empty (or zero) result.
-        out = jnp.zeros(out_shape, q.dtype)
-        return (out, jnp.zeros(out_shape[:-1], q.dtype)) if return_residual else out
-    out = masked_attention(q, k, v, bias=bias, mask=mask, is_causal=is_causal, window=window,
-                           q_lengths=q_len, kv_lengths=kv_len,
-                           scale=None if scale is None else float(scale), backend=backend,
-                           need_lse=return_residual)
-    if not return_residual:
-        return out.reshape(out_shape)
-    out, lse = out
-    return out.reshape(out_shape), lse.reshape(out_shape[:-1])
+    return q, k, v, dict(bias=bias, mask=mask, is_causal=is_causal, window=window,
+                         q_lengths=q_len, kv_lengths=kv_len,
+                         scale=None if scale is None else float(scale), backend=backend)
 
 
 def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=None,
@@ -123,6 +163,37 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     """The core both drop-ins share: q ``[B, T, N, H]``, k / v ``[B, S, K, H]`` in a
     fusedattn dtype, bias and a boolean mask broadcastable to ``[B, N, T, S]``, with
     jax.nn's semantics (rows that see no key average all values)."""
+    plan, inputs, mask4 = _planned(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
+                                   window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                   scale=scale, dropout=dropout, rng=rng, backend=backend)
+    if not need_lse:
+        out = plan.run(inputs)
+    else:
+        out, lse = plan.run_with_lse(inputs)
+        lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(k.dtype))  # [B, T, N]
+    b, t, n, _ = q.shape
+    empty = _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t,
+                                 k.shape[1])
+    if empty is not None:
+        # Kernels give such a row 0 (a mask, or no key in range) or shift it by the bias
+        # constant (a no-op for softmax); jax.nn gives every key the same weight.
+        mean = jnp.repeat(v.astype(jnp.float32).mean(axis=1), n // k.shape[2], axis=1)
+        out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], mean[:, None].astype(out.dtype),
+                        out)
+    return (out, lse) if need_lse else out
+
+
+def masked_plan(q, k, v, **options):
+    """The `Plan` `masked_attention(q, k, v, **options)` follows (arrays may be
+    ShapeDtypeStructs); ``print`` it for the backends, their reasons and the mask's route."""
+    return _planned(q, k, v, **options)[0]
+
+
+def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_lengths=None,
+             kv_lengths=None, scale=None, dropout=0.0, rng=None, backend="auto", **_):
+    """(plan, inputs, the mask as 4-d or None) of a drop-in call. The boolean mask goes
+    in as a mask: dispatch runs it as a block map where a backend takes one, else as
+    jax.nn's additive bias (`inputs.mask_as_bias`)."""
     b, t, n, _ = q.shape
     s = k.shape[1]
     mask4 = None if mask is None else _as_4d(mask, "mask")
@@ -131,23 +202,11 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
                         f"additive mask goes in bias")
     sequence = None if q_lengths is None else SequenceDescriptor.from_lengths(q_lengths,
                                                                              kv_lengths)
-    config, inputs = build_call(q, k, v, bias=bias_with_mask(bias, mask4, q.dtype, b, n, t, s),
+    config, inputs = build_call(q, k, v, bias=_broadcast(bias, "bias", b, n, t, s),
+                                dense_mask=_broadcast(mask4, "mask", b, n, t, s),
                                 sequence=sequence, mask="causal" if is_causal else "none",
                                 window=window, scale=scale, dropout=dropout, rng=rng)
-    plan = dispatch.plan(config, backend)
-    if not need_lse:
-        out = plan.run(inputs)
-    else:
-        out, lse = plan.run_with_lse(inputs)
-        lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(k.dtype))  # [B, T, N]
-    empty = _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t, s)
-    if empty is not None:
-        # Kernels shift such a row by the mask's constant (a no-op for softmax) or give 0
-        # when no key is in range; jax.nn gives every key the same weight.
-        mean = jnp.repeat(v.astype(jnp.float32).mean(axis=1), n // k.shape[2], axis=1)
-        out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], mean[:, None].astype(out.dtype),
-                        out)
-    return (out, lse) if need_lse else out
+    return dispatch.plan(config, backend), inputs, mask4
 
 
 def _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t, s):
@@ -192,28 +251,20 @@ def _as_4d(x, name: str, what: str = "broadcastable to [B, N, T, S]"):
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
-def bias_with_mask(bias, mask, dtype, b, n, t, s):
-    """The additive term fusedattn takes: [1|B, 1|N, T, S]."""
-    terms = []
-    if bias is not None:
-        terms.append(_as_4d(bias, "bias"))
-    if mask is not None:
-        m = _as_4d(mask, "mask")
-        large_negative = -0.7 * float(jnp.finfo(dtype).max)
-        terms.append(jnp.where(m, jnp.zeros((), dtype), jnp.asarray(large_negative, dtype)))
-    if not terms:
+def _broadcast(x, name, b, n, t, s):
+    """A bias or mask broadcastable to [B, N, T, S] -> [1|B, 1|N, T, S] (the batch and
+    head axes stay broadcast, as fusedattn takes them)."""
+    if x is None:
         return None
+    x = _as_4d(x, name)
     full = (b, n, t, s)
-    shape = tuple(1 if all(x.shape[i] == 1 for x in terms) and i < 2 else full[i]
-                  for i in range(4))
-    for x in terms:
-        try:
-            np.broadcast_shapes(x.shape, full)
-        except ValueError:
-            raise ValueError(f"bias / mask of shape {x.shape} does not broadcast to "
-                             f"[B, N, T, S] = {full}") from None
-    total = terms[0] if len(terms) == 1 else terms[0] + terms[1].astype(terms[0].dtype)
-    return jnp.broadcast_to(total, shape)
+    try:
+        np.broadcast_shapes(x.shape, full)
+    except ValueError:
+        raise ValueError(f"{name} of shape {x.shape} does not broadcast to "
+                         f"[B, N, T, S] = {full}") from None
+    return jnp.broadcast_to(x, tuple(1 if i < 2 and x.shape[i] == 1 else full[i]
+                                     for i in range(4)))
 
 
 def _lengths(x, name: str, b: int, full: int):

@@ -212,6 +212,22 @@ def _check_bias(bias, batch: int, h_q: int, s_q: int, s_kv: int):
     return shape
 
 
+def _check_dense_mask(mask, batch: int, h_q: int, s_q: int, s_kv: int):
+    """A boolean [1|b, 1|h_q, s_q, s_kv] mask (True: visible) -> its shape."""
+    if mask is None:
+        return None
+    shape = _shape(mask, "dense_mask")
+    want = (batch, h_q, s_q, s_kv)
+    if len(shape) != 4 or any(got != full and not (i < 2 and got == 1)
+                              for i, (got, full) in enumerate(zip(shape, want))):
+        raise ValueError(f"dense_mask must have shape [1|b, 1|h_q, s_q, s_kv] = "
+                         f"[1|{batch}, 1|{h_q}, {s_q}, {s_kv}], got {shape}")
+    if jnp.dtype(mask.dtype) != jnp.bool_:
+        raise TypeError(f"dense_mask must be boolean (True: visible), got "
+                        f"{jnp.dtype(mask.dtype).name}")
+    return shape
+
+
 def _check_score_mod(score_mod, args, batch: int, h_q: int) -> None:
     """Trace score_mod on abstract tiles shaped as the backends call it (nothing runs), so a
     function that fails or returns the wrong shape or dtype is named here, not deep in a
@@ -298,8 +314,13 @@ def _check_precision(precision, dtype: str) -> str:
 def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, scale=None,
                softmax="vanilla", softmax_offset=None, dropout=0.0, rng=None, score_mod=None,
                score_mod_args=(), mask_mod=None, deterministic=False, layout="bshd",
-               precision=None, api="fused_attn") -> Tuple[AttnConfig, AttnInputs]:
-    """Validate `fused_attn` arguments and build the config and the inputs."""
+               precision=None, api="fused_attn",
+               dense_mask=None) -> Tuple[AttnConfig, AttnInputs]:
+    """Validate `fused_attn` arguments and build the config and the inputs.
+
+    `dense_mask` (the drop-ins' boolean mask, broadcast to ``[1|b, 1|h_q, s_q, s_kv]``)
+    travels as a mask: dispatch gives it to backends that take one and folds it into
+    the bias for the others (`inputs.mask_as_bias`)."""
     if layout not in LAYOUT_ARGS:
         raise ValueError(f"layout must be one of {tuple(LAYOUT_ARGS)}, got {layout!r}")
     tensor_layout, packing = LAYOUT_ARGS[layout]
@@ -351,6 +372,7 @@ def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, s
                          f"from `sequence`)")
     window = _check_window(window, mask)
     bias_shape = _check_bias(bias, batch, h_q, s_q, s_kv)
+    dense_mask_shape = _check_dense_mask(dense_mask, batch, h_q, s_q, s_kv)
     if scale is None:
         scale = 1.0 / math.sqrt(d_qk)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating)) \
@@ -405,11 +427,12 @@ def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, s
     config = AttnConfig(
         batch=batch, s_q=s_q, s_kv=s_kv, h_q=h_q, h_kv=h_kv, d_qk=d_qk, d_v=vshape[3],
         dtype=dtype, layout=tensor_layout, qkv_packing=packing, mask=mask, window=window,
-        bias_shape=bias_shape, scale=float(scale), softmax=softmax, dropout=dropout,
+        bias_shape=bias_shape, dense_mask_shape=dense_mask_shape, scale=float(scale),
+        softmax=softmax, dropout=dropout,
         sequence=kind, max_segments=sequence.max_segments if kind == "packed" else 1,
         score_mod=score_mod, score_mod_arg_specs=arg_specs, deterministic=deterministic,
         precision=precision, api=api)
     inputs = AttnInputs(q=q, k=k, v=v, bias=bias, softmax_offset=softmax_offset,
                         sequence=sequence, rng=rng if dropout > 0.0 else None,
-                        score_mod_args=tuple(score_mod_args))
+                        score_mod_args=tuple(score_mod_args), dense_mask=dense_mask)
     return config, inputs

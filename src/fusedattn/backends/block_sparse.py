@@ -1,11 +1,21 @@
-"""The block_sparse backend: a `mask_mod` runs only the blocks its block map lists, on our
+"""The block_sparse backend: a mask runs only the blocks its block map lists, on our
 Mosaic GPU kernels (`fusedattn.block_sparse`) on Hopper.
 
-cuDNN's graph has no block list: a mask_mod it does not recognise runs every tile there,
-or falls back to XLA. Here `supports` builds the call's static block map (a mask_mod of
-positions, with the built-in causal mask and window folded in) at trace time, and
-`details` gives explain() its density. The config's score_mod (if any) runs inside the
-kernel. Anything the kernels do not take is a reason, and dispatch moves on.
+cuDNN's graph has no block list: a mask it does not recognise runs every tile there
+(a dense mask as a bias over all S^2 pairs), or falls back to XLA. Masks taken here:
+
+* a mask_mod of positions: its static map is built once per config at trace time, and
+  `details` gives explain() its density;
+* a mask_mod that reads arrays (score_mod_args), the batch or the head index, and the
+  drop-ins' dense boolean mask (`config.dense_mask_shape`): the map is built on the
+  device in every call from the call's arrays (`device_map`), and the kernels evaluate
+  the mask in partial blocks (array reads hoisted per row / column, `hoisting`; the
+  dense mask read tile by tile).
+
+The built-in causal mask and window are ANDed in. The config's score_mod (if any)
+runs inside the kernel when it reads no array. Anything else is a reason, and
+dispatch moves on; `supports` decides from the config alone (shapes and dtypes of
+the arrays), cached per config.
 """
 from __future__ import annotations
 
@@ -13,24 +23,42 @@ import functools
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from .. import block_sparse
-from ..block_sparse.attention import block_sparse_attention, on_hopper
+from ..block_sparse import builtin
+from ..block_sparse.attention import (block_sparse_attention, block_sparse_attention_with_lse,
+                                      on_hopper)
+from ..block_sparse.builders import from_element
+from ..block_sparse.dependence import Reads, mask_mod_reads
+from ..block_sparse.hoisting import mask_mod_reason
 from ..block_sparse.kernel_parts import BLOCK
+from ..block_sparse.terms import Dense, ElementMask, MaskMod
 from ..config import AttnConfig
 from ..inputs import AttnInputs
 from ..score_mods import Masked
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
+# The kernels' implementation (`block_sparse.attention.IMPLEMENTATIONS`). Tests set
+# "reference" to run the whole path (dispatch, map on the device, list walks) on CPU.
+IMPLEMENTATION = "mosaic"
+
+
+def parts(config: AttnConfig):
+    """(mask_mod, score_mod) of the config's score_mod, None where it has none."""
+    mod = config.score_mod
+    return (mod.mask_mod, mod.score_mod) if isinstance(mod, Masked) else (None, mod)
 
 
 def config_reason(config: AttnConfig) -> Optional[str]:
     """What the kernels cannot run, from the config alone (None: they can)."""
-    mod = config.score_mod
+    mask_mod, _ = parts(config)
     rules = (
-        (not isinstance(mod, Masked), "runs a mask_mod's block map; this call has none "
-                                      "(cudnn and flash skip the built-in masks' blocks)"),
+        (mask_mod is None and not config.has_dense_mask,
+         "runs a mask_mod's or a dense boolean mask's block map; this call has neither "
+         "(cudnn and flash skip the built-in masks' blocks)"),
         (config.is_fp8, "no FP8 kernels"),
         (config.dtype not in DTYPES, f"dtype {config.dtype}: kernels are {'/'.join(DTYPES)}"),
         (config.d_qk != config.d_v or config.d_qk not in HEAD_DIMS,
@@ -40,24 +68,108 @@ def config_reason(config: AttnConfig) -> Optional[str]:
         (config.sequence != "dense", f"sequence {config.sequence!r}: takes dense sequences"),
         (config.has_bias or config.has_dropout or config.softmax != "vanilla",
          "takes no bias, dropout or sink softmax"),
-        (bool(config.score_mod_arg_specs), "a mask_mod or score_mod reading arrays (score_mod_args) "
-                                    "has no static map here"),
     )
-    return next((why for broken, why in rules if broken), None)
+    why = next((why for broken, why in rules if broken), None)
+    if why is None and config.score_mod_arg_specs:
+        why = args_reason(config)
+    return why
+
+
+def _arg_specs(config: AttnConfig):
+    return [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in config.score_mod_arg_specs]
+
+
+@functools.lru_cache(maxsize=256)
+def mask_reads(config: AttnConfig) -> Reads:
+    """What the mask_mod reads besides positions (traced from the config's shapes)."""
+    mask_mod, _ = parts(config)
+    if mask_mod is None:
+        return Reads(batch=False, head=False, args=False)
+    return mask_mod_reads(mask_mod, _arg_specs(config), config.batch, config.h_q,
+                          config.s_q, config.s_kv)
+
+
+def _score_reads_args(config: AttnConfig) -> bool:
+    _, score_mod = parts(config)
+    if score_mod is None:
+        return False
+
+    def as_mask_mod(b, h, i, j, *args):  # the score a constant: only the args' taint counts
+        return score_mod(jnp.zeros((), jnp.float32), b, h, i, j, *args)
+    return mask_mod_reads(as_mask_mod, _arg_specs(config), config.batch, config.h_q,
+                          config.s_q, config.s_kv).args
+
+
+@functools.lru_cache(maxsize=256)
+def args_reason(config: AttnConfig) -> Optional[str]:
+    """Why a call with score_mod_args cannot run here (None: it can): a score_mod part
+    reading them has no in-kernel form, a mask_mod part must have one (`hoisting`)."""
+    mask_mod, _ = parts(config)
+    try:
+        if _score_reads_args(config):
+            return ("a score_mod reading arrays (score_mod_args): the kernels take no score "
+                    "tables (only a mask_mod may read them)")
+        if mask_mod is None or not mask_reads(config).args:
+            return None
+        reads = mask_reads(config)
+        return mask_mod_reason(mask_mod, _arg_specs(config),
+                               config.batch if reads.batch else 1,
+                               config.h_q if reads.head else 1, config.s_q, config.s_kv)
+    except Exception as e:  # a function that cannot be traced here: a reason, not a crash
+        return f"score_mod_args: {type(e).__name__}: {e}"
+
+
+def static(config: AttnConfig) -> bool:
+    """Whether the call's map is static: a mask_mod of positions alone, no dense mask."""
+    return not config.has_dense_mask and mask_reads(config).positions_only
 
 
 @functools.lru_cache(maxsize=256)
 def block_map(config: AttnConfig) -> block_sparse.BlockMap:
-    """The config's static map (a mask_mod of positions; built once per config)."""
-    mod = config.score_mod
-    return block_sparse.block_map(mod.mask_mod, 1, 1, config.s_q, config.s_kv,
+    """The config's static map (a mask_mod of positions; built once per config). Arrays
+    it takes but never reads are zeros here, as for any static map."""
+    mask_mod, _ = parts(config)
+    unread = tuple(np.zeros(shape, dtype) for shape, dtype in config.score_mod_arg_specs)
+    return block_sparse.block_map(mask_mod, 1, 1, config.s_q, config.s_kv, args=unread,
                                   mask=config.mask, window=config.window,
                                   block=(BLOCK, BLOCK))
+
+
+def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
+    """The call's map from its arrays (the mask_mod's args, the dense mask), built on the
+    device in this call: the AND of those terms and the built-in mask and window."""
+    mask_mod, _ = parts(config)
+    terms = []
+    if mask_mod is not None:
+        terms.append(MaskMod.build(mask_mod, tuple(inputs.score_mod_args), config.batch,
+                                   config.h_q, config.s_q, config.s_kv))
+    if inputs.dense_mask is not None:
+        terms.append(Dense(inputs.dense_mask))
+    terms.append(builtin.intervals(config.s_q, config.s_kv, config.mask, config.window))
+    return from_element(ElementMask(terms, config.s_q, config.s_kv), (BLOCK, BLOCK))
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_score_mod(config: AttnConfig):
+    """The score_mod the kernels run, ``(score, b, h, q_idx, kv_idx)``; one object per
+    config, so a re-trace reuses the compiled kernels. With score_mod_args (which
+    `args_reason` made sure it does not read) it gets zeros in their place, made inside
+    the trace: a kernel may not capture arrays, and the unread zeros are dead code."""
+    _, score_mod = parts(config)
+    if score_mod is None or not config.score_mod_arg_specs:
+        return score_mod
+    specs = config.score_mod_arg_specs
+
+    def unread_args(score, b, h, q_idx, kv_idx):
+        return score_mod(score, b, h, q_idx, kv_idx,
+                         *(jnp.zeros(shape, dtype) for shape, dtype in specs))
+    return unread_args
 
 
 class BlockSparseBackend:
     name = "block_sparse"
     platforms = ("cuda",)
+    takes_dense_mask = True  # dispatch passes the drop-ins' mask as it is (no bias)
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         why = config_reason(config)
@@ -65,25 +177,45 @@ class BlockSparseBackend:
             why = "its Mosaic GPU kernels need a Hopper GPU (compute capability 9.0)"
         if why is None:
             try:
-                bm = block_map(config)
+                if static(config):
+                    block_map(config)
             except Exception as e:  # a mask_mod the map cannot take: a reason, not a crash
                 return f"block map: {type(e).__name__}: {e}"
-            if not bm.static:
-                why = "the mask_mod reads the batch or head index: its map is not static"
         return why
 
     def details(self, config: AttnConfig) -> str:
-        return block_map(config).describe()
+        if static(config):
+            return block_map(config).describe()
+        sources = []
+        if parts(config)[0] is not None:
+            reads = mask_reads(config)
+            read = [name for name, yes in (("score_mod_args", reads.args),
+                                           ("the batch index", reads.batch),
+                                           ("the head index", reads.head)) if yes]
+            sources.append("the mask_mod" + (f" (it reads {' and '.join(read)})" if read else ""))
+        if config.has_dense_mask:
+            sources.append("the dense boolean mask")
+        return (f"block map of {BLOCK}x{BLOCK} blocks built on the device in every call from "
+                f"{' and '.join(sources)}"
+                + (f", with the {config.mask} mask" if config.causal else "")
+                + (f", window {config.window}" if config.window else "")
+                + ": its density is known only when it runs")
 
-    def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
+    def _run(self, config: AttnConfig, inputs: AttnInputs, attend):
         why = self.supports(config)
         if why is not None:
             raise ValueError(f"block_sparse backend cannot run {config.short()}: {why}")
-        # The config's own score_mod object (no score_mod_args here): a stable static
-        # argument, so a re-trace reuses the compiled kernels.
-        return block_sparse_attention(inputs.q, inputs.k, inputs.v, block_map(config),
-                                      scale=config.scale, score_mod=config.score_mod.score_mod,
-                                      implementation="mosaic")
+        bm = block_map(config) if static(config) else device_map(config, inputs)
+        return attend(inputs.q, inputs.k, inputs.v, bm, scale=config.scale,
+                      score_mod=kernel_score_mod(config), implementation=IMPLEMENTATION)
+
+    def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
+        return self._run(config, inputs, block_sparse_attention)
+
+    def attention_with_lse(self, config: AttnConfig, inputs: AttnInputs):
+        """(out, fp32 natural log-sum-exp [b, h_q, s_q], -inf on rows with no visible key;
+        no gradient flows through it)."""
+        return self._run(config, inputs, block_sparse_attention_with_lse)
 
 
 BACKEND = BlockSparseBackend()

@@ -6,6 +6,11 @@ parallelism). `Plan.run` executes every call of `fused_attn` and the drop-ins, a
 Backends are listed in `registry` (each exposes the `backends.protocol.Backend`
 interface); the preference order per platform is `PREFERENCE` below.
 
+A dense boolean mask (the drop-ins' `mask`) stays a mask for backends that take one
+(``takes_dense_mask``: block_sparse) and becomes an additive bias for every other,
+here and nowhere else (`config_for` / `inputs_for`): each backend is asked about, and
+runs, the config it would receive.
+
 Where backends of a rival group (`measure.RIVALS`: cudnn and flash on CUDA)
 can both run a config, `auto` picks by a measurement on this GPU, separately for
 calls without a gradient and for training steps, each when a call first needs it
@@ -22,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 from .. import context_parallel as cp_module
 from ..backends import fp8_op, native_op, xla
 from ..config import AttnConfig
+from ..inputs import mask_as_bias
 from ..vendor import current_platform
 from . import measure
 from .registry import ALL_BACKENDS, load_backend
@@ -30,8 +36,8 @@ log = logging.getLogger("fusedattn")
 
 # Preference order per platform: the first backend that supports a config runs it.
 PREFERENCE: Dict[str, Tuple[str, ...]] = {
-    # block_sparse serves mask_mods only (it says so for everything else): before cudnn,
-    # which runs every tile of a mask it does not recognise.
+    # block_sparse serves mask_mods and dense boolean masks only (it says so for everything
+    # else): before cudnn, which runs every tile of a mask it does not recognise.
     "cuda": ("small_seq", "block_sparse", "cudnn", "flash", "xla"),
     "rocm": ("small_seq", "ck", "xla"),
     "cpu": ("xla",),
@@ -42,6 +48,21 @@ ENV_BACKEND = "FUSEDATTN_BACKEND"
 
 class UnsupportedError(ValueError):
     """The requested backend cannot serve this config; the message lists every reason."""
+
+
+def takes_dense_mask(name: str) -> bool:
+    return getattr(load_backend(name), "takes_dense_mask", False)
+
+
+def config_for(config: AttnConfig, name: str) -> AttnConfig:
+    """The config backend `name` is asked about and runs: a dense mask as it is where the
+    backend takes one, else folded into the bias."""
+    return config if takes_dense_mask(name) else config.mask_as_bias()
+
+
+def inputs_for(config: AttnConfig, name: str, inputs):
+    """The arrays of `config_for(config, name)`: the mask made a bias where it must be."""
+    return inputs if takes_dense_mask(name) else mask_as_bias(config, inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,13 +135,14 @@ class Plan:
         """Run the call this plan describes on `inputs` (an `AttnInputs`)."""
         name = self.require()
         strategy = self.strategy
+        config, inputs = config_for(self.config, name), inputs_for(self.config, name, inputs)
         if strategy == "context_parallel":
-            return cp_module.attention(self.config, inputs, self.context_parallel, name)
+            return cp_module.attention(config, inputs, self.context_parallel, name)
         if strategy == "fp8":
-            return fp8_op.current_scaling_attention(self.config, inputs, name)
+            return fp8_op.current_scaling_attention(config, inputs, name)
         if strategy == "measured":
-            return native_op.attention(self.rivals, self.config, inputs)[0]
-        return load_backend(name).attention(self.config, inputs)
+            return native_op.attention(self.rivals, config, inputs)[0]
+        return load_backend(name).attention(config, inputs)
 
     def run_with_lse(self, inputs):
         """(out, lse fp32 [b, h_q, s_q], no gradient through lse) of a plain or measured
@@ -129,9 +151,13 @@ class Plan:
         if self.strategy not in ("plain", "measured"):
             raise UnsupportedError(f"the log-sum-exp is returned by plain calls, not "
                                    f"{self.strategy}")
+        config, inputs = config_for(self.config, name), inputs_for(self.config, name, inputs)
         if name == "xla":
-            return xla.attention_with_lse(self.config, inputs)
-        return native_op.attention(self.rivals or name, self.config, inputs, need_lse=True)
+            return xla.attention_with_lse(config, inputs)
+        own = getattr(load_backend(name), "attention_with_lse", None)
+        if own is not None:  # a backend outside native_op (block_sparse)
+            return own(config, inputs)
+        return native_op.attention(self.rivals or name, config, inputs, need_lse=True)
 
     def _runs(self) -> List[str]:
         """The backends this plan runs: the chosen one, or each step's between rivals."""
@@ -142,7 +168,19 @@ class Plan:
     def _details(self, name: str) -> str:
         """What a backend says of how it runs this config (e.g. cuDNN's plans), if anything."""
         details = getattr(load_backend(name), "details", None)
-        return details(self.config) if details is not None else ""
+        return details(config_for(self.config, name)) if details is not None else ""
+
+    def mask_route(self) -> str:
+        """How a dense boolean mask runs (a block map, or a bias and why), or ""."""
+        if not self.config.has_dense_mask or self.chosen is None:
+            return ""
+        if takes_dense_mask(self.chosen):
+            return f"dense boolean mask: a block map on {self.chosen} (empty blocks skipped)"
+        refusals = "; ".join(f"{name}: {why}" for name, why in self.reasons
+                             if why is not None and takes_dense_mask(name))
+        return (f"dense boolean mask: an additive bias on {self.chosen} (-0.7 x the dtype's "
+                f"largest value where False, every pair computed)"
+                + (f"; not a block map because {refusals}" if refusals else ""))
 
     def error_message(self) -> str:
         return (f"backend {self.requested!r} cannot run this attention "
@@ -165,6 +203,8 @@ class Plan:
                       for s in measure.STEPS]
         if self.measure_note:
             lines.append(self.measure_note)
+        if self.mask_route():
+            lines.append(self.mask_route())
         lines += filter(None, (self._details(name) for name in self._runs()))
         if self.distributed:
             lines.append(self.distributed)
@@ -178,6 +218,9 @@ def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[s
     if config.is_fp8 and not getattr(backend, "fp8", False):
         return getattr(backend, "fp8_reason", "has no FP8 kernels") + (
             " (precision='fp8' runs on cudnn, or emulated by xla)")
+    if cp is not None and takes_dense_mask(name) and config.has_dense_mask:
+        return "context parallel: a dense mask is not split along the sequence"
+    config = config_for(config, name)
     try:
         why = backend.supports(config)
         if why is None and cp is not None:
@@ -219,7 +262,8 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
         candidates = measure.rivals(platform, [n for n, r in reasons if r is None])
         if candidates and context_parallel is None:
             if measure.enabled():
-                rivals = MeasuredRivals(config, platform, candidates)
+                # (rivals take no dense mask: they measure and run the bias form)
+                rivals = MeasuredRivals(config_for(config, candidates[0]), platform, candidates)
             else:
                 measure_note = (f"{' and '.join(candidates)} both run this config; not "
                                 f"measured ({measure.ENV_MEASURE}=0): preference "

@@ -1,0 +1,308 @@
+"""Masks that need a map built on the device, through dispatch to the block_sparse backend:
+documents from an id array (a mask_mod reading score_mod_args) through `fused_attn`, and
+the drop-ins' dense boolean masks through `dot_product_attention` and Flax's
+`attention_fn` (document, causal and a fully masked row), with GQA.
+
+On CPU the backend's Hopper check is patched to pass and its kernels swapped for the
+reference list walks (`IMPLEMENTATION`), so the whole path runs: dispatch, the map
+built on the device from the call's arrays, the partial / full lists. With the check
+failing, the same calls take the old path (cudnn's place: xla here, the mask as a
+bias). Forward and gradients against the float64 oracle, plain and jitted, and
+explain()'s reasons on both routes."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fusedattn
+from fusedattn import dispatch
+from fusedattn.backends import block_sparse as backend
+from fusedattn.inputs import mask_as_bias
+from fusedattn.validation import build_call
+from support import oracle
+from support.block_sparse_cases import doc_ids, rel_error
+
+B, S, H, H_KV, D = 2, 256, 4, 2, 64
+TOL_OUT, TOL_GRAD = 2e-2, 4e-2  # bf16 against float64 (test_block_sparse_attention's)
+
+
+@pytest.fixture(params=[True, False], ids=["hopper", "no-hopper"])
+def hopper(request, monkeypatch):
+    """A CUDA platform whose GPU is (or is not) a Hopper; the kernels run as the
+    reference list walks. Yields whether block_sparse may run."""
+    monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
+    monkeypatch.setattr(backend, "on_hopper", lambda: request.param)
+    monkeypatch.setattr(backend, "IMPLEMENTATION", "reference")
+    dispatch.clear_cache()
+    yield request.param
+    dispatch.clear_cache()
+
+
+def _qkvo(h_kv=H_KV, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    shapes = ((B, S, H, D), (B, S, h_kv, D), (B, S, h_kv, D), (B, S, H, D))
+    return [jax.random.normal(kk, shape, jnp.bfloat16) for kk, shape in zip(keys, shapes)]
+
+
+def _docs():
+    return jnp.asarray(doc_ids(B, S, [S // 8, S // 4, S // 8 + 40]))
+
+
+def _run(call, q, k, v, do, *extra, jit=False):
+    """(out, dq, dk, dv) of call(q, k, v, *extra); jitted with `extra` traced too."""
+    fn = jax.jit(call) if jit else call
+    out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, *extra), q, k, v)
+    return (out, *vjp(do))
+
+
+def _expected(q, k, v, do, visible, causal=False):
+    """float64 oracle of jax.nn's semantics: `visible` [B|1, H|1, T, S] hides pairs; a
+    row that sees no key averages all values (that mean's gradient goes to v)."""
+    ref = oracle.attention(np.asarray(q, np.float64), np.asarray(k, np.float64),
+                           np.asarray(v, np.float64), bias=np.where(visible, 0.0, -np.inf),
+                           mask="causal" if causal else "none",
+                           d_out=np.asarray(do, np.float64))
+    empty = ~np.isfinite(ref.lse).transpose(0, 2, 1)            # [B, T, H]
+    group = q.shape[2] // k.shape[2]
+    mean = np.repeat(np.asarray(v, np.float64).mean(1), group, axis=1)  # [B, H, D]
+    out = np.where(empty[..., None], mean[:, None], ref.out)
+    to_mean = (np.asarray(do, np.float64) * empty[..., None]).sum(1)     # [B, H, D]
+    dv = ref.dv + to_mean.reshape(B, -1, group, D).sum(2)[:, None] / k.shape[1]
+    return out, ref.dq, ref.dk, dv, np.asarray(ref.lse)
+
+
+def _check(got, want):
+    for name, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want,
+                               (TOL_OUT, TOL_GRAD, TOL_GRAD, TOL_GRAD)):
+        assert g.shape == w.shape, name
+        err = rel_error(np.asarray(g, np.float32), w)
+        assert err < tol, (name, err)
+
+
+def _route(plan, hopper):
+    assert plan.chosen == ("block_sparse" if hopper else "xla"), str(plan)
+    return str(plan)
+
+
+# ---- documents from an id array through fused_attn --------------------------------------
+def same_doc(b, h, i, j, doc):
+    return doc[b, i] == doc[b, j]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "jit"])
+def test_documents_from_ids_through_fused_attn(hopper, jit):
+    q, k, v, do = _qkvo()
+    doc = _docs()
+    plan = fusedattn.explain(q, k, v, mask_mod=same_doc, score_mod_args=(doc,))
+    text = _route(plan, hopper)
+    if hopper:
+        assert "built on the device in every call" in text
+        assert "score_mod_args" in text and "known only when it runs" in text
+    call = lambda q, k, v, doc: fusedattn.fused_attn(  # noqa: E731
+        q, k, v, mask_mod=same_doc, score_mod_args=(doc,))
+    got = _run(call, q, k, v, do, doc, jit=jit)
+    visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
+    _check(got, _expected(q, k, v, do, visible)[:4])
+
+
+def test_documents_and_causal_through_fused_attn_with_mqa(hopper):
+    q, k, v, do = _qkvo(h_kv=1)
+    doc = _docs()
+    call = lambda q, k, v, doc: fusedattn.fused_attn(  # noqa: E731
+        q, k, v, mask="causal", mask_mod=same_doc, score_mod_args=(doc,))
+    _route(fusedattn.explain(q, k, v, mask="causal", mask_mod=same_doc, score_mod_args=(doc,)),
+           hopper)
+    got = _run(call, q, k, v, do, doc, jit=True)
+    visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
+    _check(got, _expected(q, k, v, do, visible, causal=True)[:4])
+
+
+def test_a_score_mod_that_reads_no_array_runs_in_the_kernel(hopper):
+    q, k, v, do = _qkvo()
+    doc = _docs()
+    softcap = lambda s, b, h, i, j, doc: 5.0 * jnp.tanh(s / 5.0)  # noqa: E731
+    options = dict(score_mod=softcap, mask_mod=same_doc, score_mod_args=(doc,))
+    _route(fusedattn.explain(q, k, v, **options), hopper)
+    got = _run(lambda q, k, v, doc: fusedattn.fused_attn(q, k, v, **dict(
+        options, score_mod_args=(doc,))), q, k, v, do, doc, jit=True)
+    # (the documents as segment ids: the oracle masks after the score_mod, as the contract)
+    ref = oracle.attention(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                           q_segment_ids=np.asarray(doc), score_mod=softcap,
+                           score_mod_args=(np.asarray(doc),), d_out=np.asarray(do, np.float64))
+    _check(got, (ref.out, ref.dq, ref.dk, ref.dv))
+
+
+# ---- the drop-ins' dense boolean masks --------------------------------------------------
+def _doc_mask():
+    doc = _docs()
+    return doc[:, None, :, None] == doc[:, None, None, :]     # [B, 1, T, S]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "jit"])
+def test_document_mask_through_dot_product_attention(hopper, jit):
+    q, k, v, do = _qkvo()
+    mask = _doc_mask()
+    text = _route(fusedattn.jax_nn.explain(q, k, v, mask=mask), hopper)
+    if hopper:
+        assert "dense boolean mask: a block map on block_sparse" in text
+        assert "built on the device in every call from the dense boolean mask" in text
+    else:
+        assert "dense boolean mask: an additive bias on xla" in text
+        assert "block_sparse: its Mosaic GPU kernels need a Hopper GPU" in text
+    call = lambda q, k, v, m: fusedattn.dot_product_attention(q, k, v, mask=m)  # noqa: E731
+    got = _run(call, q, k, v, do, mask, jit=jit)
+    _check(got, _expected(q, k, v, do, np.asarray(mask))[:4])
+
+
+def test_fully_masked_row_and_causal_through_dot_product_attention(hopper):
+    """Rows that see no key average all values on both routes (block_sparse gives such
+    rows 0; the drop-in overwrites them), here with is_causal on top."""
+    q, k, v, do = _qkvo()
+    mask = np.asarray(_doc_mask()).copy()
+    mask[:, :, 5] = False                        # row 5 sees nothing
+    mask[1, :, 200:, :] = False                  # whole blocks of rows see nothing
+    plan = fusedattn.jax_nn.explain(q, k, v, mask=mask, is_causal=True)
+    _route(plan, hopper)
+    assert "causal" in plan.config.short()
+    call = lambda q, k, v, m: fusedattn.dot_product_attention(  # noqa: E731
+        q, k, v, mask=m, is_causal=True)
+    got = _run(call, q, k, v, do, jnp.asarray(mask), jit=True)
+    want = _expected(q, k, v, do, mask, causal=True)
+    _check(got, want[:4])
+    out, lse = fusedattn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                               return_residual=True)
+    assert rel_error(np.asarray(out, np.float32), want[0]) < TOL_OUT
+    seen = np.isfinite(want[4]).transpose(0, 2, 1)          # [B, T, H]
+    np.testing.assert_allclose(np.asarray(lse, np.float32)[seen],
+                               want[4].transpose(0, 2, 1)[seen], atol=5e-2)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["plain", "jit"])
+def test_float_document_mask_through_flax_attention_fn(hopper, jit):
+    """Flax's make_attention_mask gives float masks (non-zero: attend), [B, 1, T, S]."""
+    from flax import linen as nn
+    from fusedattn import flax as fa
+    q, k, v, do = _qkvo()
+    mask = nn.make_attention_mask(_docs(), _docs(), pairwise_fn=jnp.equal)
+    assert mask.dtype == jnp.float32
+    text = _route(fa.explain(q, k, v, mask=mask), hopper)
+    assert ("a block map on block_sparse" if hopper else "an additive bias on xla") in text
+    call = lambda q, k, v, m: fa.attention_fn(q, k, v, mask=m)  # noqa: E731
+    got = _run(call, q, k, v, do, mask, jit=jit)
+    _check(got, _expected(q, k, v, do, np.asarray(mask) != 0)[:4])
+
+
+def test_causal_mask_through_flax_attention_fn(hopper):
+    from flax import linen as nn
+    from fusedattn import flax as fa
+    q, k, v, do = _qkvo()
+    mask = nn.make_causal_mask(jnp.ones((B, S)))
+    _route(fa.explain(q, k, v, mask=mask), hopper)
+    got = _run(lambda q, k, v, m: fa.attention_fn(q, k, v, mask=m), q, k, v, do, mask,
+               jit=True)
+    _check(got, _expected(q, k, v, do, np.asarray(mask) != 0)[:4])
+
+
+def test_both_routes_agree(monkeypatch):
+    """The block map and the bias give the same numbers (bf16 rounding apart)."""
+    monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
+    monkeypatch.setattr(backend, "IMPLEMENTATION", "reference")
+    q, k, v, _ = _qkvo(seed=3)
+    mask = _doc_mask()
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(backend, "on_hopper", lambda on=on: on)
+        dispatch.clear_cache()
+        outs.append(np.asarray(fusedattn.dot_product_attention(q, k, v, mask=mask), np.float32))
+    dispatch.clear_cache()
+    assert rel_error(outs[0], outs[1]) < 1e-2
+
+
+# ---- what block_sparse refuses, and why ---------------------------------------------------
+@pytest.mark.parametrize("hopper", [True], indirect=True)
+def test_mask_with_a_bias_runs_as_a_bias(hopper):
+    q, k, v, do = _qkvo()
+    mask = _doc_mask()
+    bias = 0.1 * jax.random.normal(jax.random.key(7), (1, H, S, S), jnp.float32)
+    plan = fusedattn.jax_nn.explain(q, k, v, bias, mask)
+    assert plan.chosen == "xla" and "takes no bias" in dict(plan.reasons)["block_sparse"]
+    assert plan.config.has_bias and plan.config.has_dense_mask
+    assert "not a block map because block_sparse: takes no bias" in str(plan)
+    got = _run(lambda q, k, v: fusedattn.dot_product_attention(q, k, v, bias, mask),
+               q, k, v, do, jit=True)
+    visible = np.asarray(mask)
+    ref = oracle.attention(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                           bias=np.where(visible, np.asarray(bias, np.float64), -np.inf),
+                           d_out=np.asarray(do, np.float64))
+    _check(got, (ref.out, ref.dq, ref.dk, ref.dv))
+
+
+@pytest.mark.parametrize("hopper", [True], indirect=True)
+def test_refusals_name_the_reason(hopper):
+    q, k, v, _ = _qkvo()
+    doc = _docs()
+    reads_table = lambda s, b, h, i, j, t: s + t[b, i].astype(s.dtype)  # noqa: E731
+    plan = fusedattn.explain(q, k, v, score_mod=reads_table, mask_mod=same_doc,
+                             score_mod_args=(doc,))
+    assert "score_mod reading arrays" in dict(plan.reasons)["block_sparse"]
+    by_head = lambda b, h, i, j, t: t[h, i] == t[h, j]  # noqa: E731
+    table = jnp.zeros((H, S), jnp.int32)
+    plan = fusedattn.explain(q, k, v, mask_mod=by_head, score_mod_args=(table,))
+    assert "head index" in dict(plan.reasons)["block_sparse"]
+    plan = fusedattn.explain(q.astype(jnp.float32), k.astype(jnp.float32),
+                             v.astype(jnp.float32), mask_mod=same_doc, score_mod_args=(doc,))
+    assert "dtype float32" in dict(plan.reasons)["block_sparse"]
+
+
+def test_supports_is_cached_per_config(hopper):
+    config, _ = build_call(*_qkvo()[:3], mask_mod=same_doc, score_mod_args=(_docs(),))
+    backend.args_reason.cache_clear()
+    backend.mask_reads.cache_clear()
+    for _ in range(3):
+        backend.BACKEND.supports(config)
+    assert backend.args_reason.cache_info().misses == 1
+    assert backend.mask_reads.cache_info().misses == 1
+
+
+def test_drop_in_explain_names_a_fallback():
+    with jax.enable_x64(True):
+        x = jnp.zeros((1, 8, 2, 4), jnp.float64)
+        assert "jax.nn's own implementation" in fusedattn.jax_nn.explain(x, x, x)
+    from fusedattn import flax as fa
+    q = jax.ShapeDtypeStruct((1, 8, 2, 64), jnp.bfloat16)
+    assert "Flax's own function" in fa.explain(q, q, q, precision="highest")
+    assert isinstance(fa.explain(q, q, q, mask=jax.ShapeDtypeStruct((1, 1, 8, 8), jnp.bool_)),
+                      dispatch.Plan)
+
+
+# ---- the mask as a bias: one conversion, jax.nn's constant ---------------------------------
+def test_mask_as_bias_is_jax_nns_additive_term():
+    q = jnp.zeros((2, 8, 4, 16), jnp.bfloat16)
+    mask = jnp.asarray(np.random.default_rng(0).random((2, 1, 8, 8)) < 0.5)
+    bias = jnp.ones((1, 4, 8, 8), jnp.float32)
+    config, inputs = build_call(q, q, q, bias=bias, dense_mask=mask)
+    assert config.dense_mask_shape == (2, 1, 8, 8) and config.bias_shape == (1, 4, 8, 8)
+    lowered = config.mask_as_bias()
+    assert lowered.bias_shape == (2, 4, 8, 8) and not lowered.has_dense_mask
+    folded = mask_as_bias(config, inputs)
+    assert folded.dense_mask is None and folded.bias.shape == (2, 4, 8, 8)
+    # the term in q's dtype, then in the bias's (as the drop-in always made it)
+    big = np.float32(jnp.asarray(-0.7 * float(jnp.finfo(jnp.bfloat16).max), jnp.bfloat16))
+    want = np.where(np.asarray(mask), np.float32(1), np.float32(1) + big)
+    np.testing.assert_array_equal(np.asarray(folded.bias), np.broadcast_to(want, (2, 4, 8, 8)))
+    for name in dispatch.ALL_BACKENDS:
+        expected = config if name == "block_sparse" else lowered
+        assert dispatch.config_for(config, name) == expected
+
+
+@pytest.mark.parametrize("mask, error, words", [
+    (jnp.ones((2, 1, 8, 8), jnp.float32), TypeError, "boolean"),
+    (jnp.ones((2, 1, 1, 8), jnp.bool_), ValueError, "s_q, s_kv"),
+    (jnp.ones((3, 1, 8, 8), jnp.bool_), ValueError, "1|b"),
+])
+def test_dense_mask_is_validated(mask, error, words):
+    q = jnp.zeros((2, 8, 4, 16), jnp.bfloat16)
+    with pytest.raises(error, match=words.replace("|", r"\|")):
+        build_call(q, q, q, dense_mask=mask)
