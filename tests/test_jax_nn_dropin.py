@@ -24,6 +24,9 @@ import fusedattn
 # jax.nn's own function, also when a conformance run has replaced the name by fusedattn's.
 JAX_NN = getattr(sys.modules.get("jax_dropin"), "ORIGINAL", jax.nn.dot_product_attention)
 B, S, T, N, H = 2, 128, 128, 4, 32
+# float32: on a GPU XLA multiplies f32 in TF32 by default, so both jax.nn's own function
+# and ours sit about 1e-3 from float64 there (measured on an H200, ours the closer).
+F32_TOL = 1e-5 if jax.default_backend() == "cpu" else 5e-3
 
 
 def _close(a, b, tol):
@@ -125,7 +128,7 @@ def test_local_window_without_mask_matters():
     large = fusedattn.dot_product_attention(q, k, v, local_window_size=(32, 32))
     small = fusedattn.dot_product_attention(q, k, v, local_window_size=(1, 1))
     assert not np.allclose(large, small)
-    _close(small, JAX_NN(q, k, v, local_window_size=(1, 1)), 1e-5)
+    _close(small, JAX_NN(q, k, v, local_window_size=(1, 1)), F32_TOL)
 
 
 def test_unbatched_and_fully_masked_rows_match_jax():
@@ -134,7 +137,7 @@ def test_unbatched_and_fully_masked_rows_match_jax():
     q, k, v = (random.normal(kk, (16, 2, 8), jnp.float32) for kk in keys)
     mask = jnp.ones((16, 16), jnp.bool_).at[3].set(False)[None]
     _close(fusedattn.dot_product_attention(q, k, v, mask=mask),
-           JAX_NN(q, k, v, mask=mask), 1e-5)
+           JAX_NN(q, k, v, mask=mask), F32_TOL)
 
 
 def test_argument_errors_name_the_argument():
@@ -182,7 +185,7 @@ def test_rows_that_see_no_key_average_all_values(dtype, causal):
     keys = random.split(random.PRNGKey(2), 3)
     q, k, v = (random.normal(kk, (2, 8, 4, 16), dtype) for kk in keys)
     mask = jnp.ones((2, 1, 8, 8), jnp.bool_).at[:, :, 3].set(False).at[1, :, :, :5].set(False)
-    tol = 1e-5 if dtype == jnp.float32 else .01
+    tol = F32_TOL if dtype == jnp.float32 else .01
     _close(fusedattn.dot_product_attention(q, k, v, mask=mask, is_causal=causal),
            JAX_NN(q, k, v, mask=mask, is_causal=causal), tol)
     lengths = dict(query_seq_lengths=jnp.array([8, 6], jnp.int32),
