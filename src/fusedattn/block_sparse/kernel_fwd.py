@@ -12,7 +12,6 @@ output is 0).
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
