@@ -134,6 +134,25 @@ def test_a_score_mod_that_reads_no_array_runs_in_the_kernel(hopper):
     _check(got, (ref.out, ref.dq, ref.dk, ref.dv))
 
 
+def test_arrays_closed_over_are_read_like_args(hopper):
+    """A kernel cannot capture arrays: a mask_mod closing over one has its reads hoisted
+    like score_mod_args (documents), or is refused with the reason (a per-head read)."""
+    q, k, v, do = _qkvo()
+    doc = _docs()
+    closure = lambda b, h, i, j: doc[b, i] == doc[b, j]  # noqa: E731
+    _route(fusedattn.explain(q, k, v, mask_mod=closure), hopper)
+    got = _run(lambda q, k, v: fusedattn.fused_attn(q, k, v, mask_mod=closure), q, k, v, do,
+               jit=True)
+    visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
+    _check(got, _expected(q, k, v, do, visible)[:4])
+    width = jnp.asarray([32, 64, 96, 128], jnp.int32)
+    per_head = lambda b, h, i, j: (j <= i) & (i - j < width[h])  # noqa: E731
+    plan = fusedattn.explain(q, k, v, mask_mod=per_head)
+    assert plan.chosen != "block_sparse"
+    if hopper:
+        assert "head index" in dict(plan.reasons)["block_sparse"], str(plan)
+
+
 # ---- the drop-ins' dense boolean masks --------------------------------------------------
 def _doc_mask():
     doc = _docs()

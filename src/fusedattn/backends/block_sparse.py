@@ -70,7 +70,7 @@ def config_reason(config: AttnConfig) -> Optional[str]:
          "takes no bias, dropout or sink softmax"),
     )
     why = next((why for broken, why in rules if broken), None)
-    if why is None and config.score_mod_arg_specs:
+    if why is None:   # (arrays closed over count as arrays read)
         why = args_reason(config)
     return why
 
@@ -107,8 +107,8 @@ def args_reason(config: AttnConfig) -> Optional[str]:
     mask_mod, _ = parts(config)
     try:
         if _score_reads_args(config):
-            return ("a score_mod reading arrays (score_mod_args): the kernels take no score "
-                    "tables (only a mask_mod may read them)")
+            return ("a score_mod reading arrays (score_mod_args or closed over): the kernels "
+                    "take no score tables (only a mask_mod may read them)")
         if mask_mod is None or not mask_reads(config).args:
             return None
         reads = mask_reads(config)

@@ -1,9 +1,10 @@
 """Which of its inputs a mask_mod's result depends on, read from its jaxpr.
 
 A mask_mod whose result depends on the positions alone is the same for every
-batch row and head and reads no array, so its block map is static (computed on
-the host at trace time). One that depends on the batch or the head index gets a
-map with that axis; one that depends on an argument array needs the device.
+batch row and head and reads no array (passed or closed over), so its block map
+is static (computed on the host at trace time). One that depends on the batch or
+the head index gets a map with that axis; one that depends on an array needs the
+device.
 """
 from __future__ import annotations
 
@@ -43,8 +44,11 @@ def mask_mod_reads(mask_mod, args: Sequence, batch: int, heads: int, s_q: int,
     arg_specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
     closed = jax.make_jaxpr(mask_mod)(*specs, *arg_specs)
     jaxpr = closed.jaxpr
+    # Arrays the function closes over count as arguments: a kernel cannot capture them,
+    # so they are read (hoisted) like score_mod_args or the map needs the device.
+    captured = [v for v, c in zip(jaxpr.constvars, closed.consts) if jnp.ndim(c) > 0]
     return Reads(*(_depends(jaxpr, group) for group in (
-        [jaxpr.invars[0]], [jaxpr.invars[1]], jaxpr.invars[4:])))
+        [jaxpr.invars[0]], [jaxpr.invars[1]], jaxpr.invars[4:] + captured)))
 
 
 def _depends(jaxpr, sources) -> bool:
