@@ -196,17 +196,23 @@ def _check_window(window, mask: str) -> Optional[Tuple[int, int]]:
     return left, right
 
 
-def _check_bias(bias, batch: int, h_q: int, s_q: int, s_kv: int):
-    if bias is None:
-        return None
-    shape = _shape(bias, "bias")
+def _check_broadcast(x, name: str, batch: int, h_q: int, s_q: int, s_kv: int):
+    """The shape of `x` when it broadcasts to [b, h_q, s_q, s_kv] over batch and heads."""
+    shape = _shape(x, name)
     if len(shape) != 4:
-        raise ValueError(f"bias must have rank 4 [1|b, 1|h, s_q, s_kv], got shape {shape}")
+        raise ValueError(f"{name} must have rank 4 [1|b, 1|h, s_q, s_kv], got shape {shape}")
     want = (batch, h_q, s_q, s_kv)
     for i, (got, full) in enumerate(zip(shape, want)):
         if got != full and not (i < 2 and got == 1):
-            raise ValueError(f"bias shape {shape} does not broadcast to [b, h, s_q, s_kv] = "
+            raise ValueError(f"{name} shape {shape} does not broadcast to [1|b, 1|h, s_q, s_kv] = "
                              f"{list(want)}: dimension {i} must be {full}" + (" or 1" if i < 2 else ""))
+    return shape
+
+
+def _check_bias(bias, batch: int, h_q: int, s_q: int, s_kv: int):
+    if bias is None:
+        return None
+    shape = _check_broadcast(bias, "bias", batch, h_q, s_q, s_kv)
     if not jnp.issubdtype(bias.dtype, jnp.floating):
         raise TypeError(f"bias must be a floating-point array, got {jnp.dtype(bias.dtype).name}")
     return shape
@@ -216,12 +222,7 @@ def _check_dense_mask(mask, batch: int, h_q: int, s_q: int, s_kv: int):
     """A boolean [1|b, 1|h_q, s_q, s_kv] mask (True: visible) -> its shape."""
     if mask is None:
         return None
-    shape = _shape(mask, "dense_mask")
-    want = (batch, h_q, s_q, s_kv)
-    if len(shape) != 4 or any(got != full and not (i < 2 and got == 1)
-                              for i, (got, full) in enumerate(zip(shape, want))):
-        raise ValueError(f"dense_mask must have shape [1|b, 1|h_q, s_q, s_kv] = "
-                         f"[1|{batch}, 1|{h_q}, {s_q}, {s_kv}], got {shape}")
+    shape = _check_broadcast(mask, "dense_mask", batch, h_q, s_q, s_kv)
     if jnp.dtype(mask.dtype) != jnp.bool_:
         raise TypeError(f"dense_mask must be boolean (True: visible), got "
                         f"{jnp.dtype(mask.dtype).name}")

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .hoisting import Unsupported, hoist  # (Unsupported: this module's error too)
-from .terms import Dense, ElementMask, Intervals, MaskMod, Segments
+from .terms import Dense, ElementMask, Intervals, MaskMod, Segments, row_at
 
 
 class KernelMask(NamedTuple):
@@ -85,7 +85,7 @@ def _hoisted(term: MaskMod, element: ElementMask, q_arrays: List, kv_arrays: Lis
         # packed positions are per-row / per-column reads too: hoisted with the rest
         args = args + (term.q_pos, term.kv_pos)
         fn = (lambda b, h, q, kv, *xs, inner=term.fn:
-              inner(b, h, _at(xs[-2], b, q), _at(xs[-1], b, kv), *xs[:-2]))
+              inner(b, h, row_at(xs[-2], b, q), row_at(xs[-1], b, kv), *xs[:-2]))
     specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
     split = hoist(fn, specs, term.batch, term.heads, element.s_q, element.s_kv)
     rows, cols = split.values(args)
@@ -96,12 +96,6 @@ def _hoisted(term: MaskMod, element: ElementMask, q_arrays: List, kv_arrays: Lis
     def part(b, h, q, kv, qv, kvv, d):
         return split(b, h, q, kv, qv[a:a + split.n_rows], kvv[c:c + split.n_cols])
     return part
-
-
-def _at(a, b, i):
-    """``a[b, i]`` for positions ``[B|1, s]`` (index clipped: blocks overhang the sequence)."""
-    b = b if a.shape[0] > 1 else jnp.zeros_like(b)
-    return a[b, jnp.clip(i, 0, a.shape[1] - 1)]
 
 
 def _stack(arrays):

@@ -30,7 +30,7 @@ def is_host(x) -> bool:
     return isinstance(x, (np.ndarray, np.generic, int, float, bool))
 
 
-def _row(a, b, i):
+def row_at(a, b, i):
     """``a[b, i]`` for a ``[B|1, n]`` array, index clipped so overhanging blocks are safe."""
     b = b if a.shape[0] > 1 else jnp.zeros_like(b)
     return a[b, jnp.clip(i, 0, a.shape[1] - 1)]
@@ -68,7 +68,7 @@ class MaskMod:
 
     def __call__(self, b, h, q, kv):
         if self.q_pos is not None:
-            q, kv = _row(self.q_pos, b, q), _row(self.kv_pos, b, kv)
+            q, kv = row_at(self.q_pos, b, q), row_at(self.kv_pos, b, kv)
         return self.fn(b, h, q, kv, *self.args)
 
     def tree_flatten(self):
@@ -135,7 +135,7 @@ class Segments:
         return is_host(self.q_ids) and is_host(self.kv_ids)
 
     def __call__(self, b, h, q, kv):
-        qi, ki = _row(jnp.asarray(self.q_ids), b, q), _row(jnp.asarray(self.kv_ids), b, kv)
+        qi, ki = row_at(jnp.asarray(self.q_ids), b, q), row_at(jnp.asarray(self.kv_ids), b, kv)
         same = qi == ki
         return same if self.pad_id is None else same & (qi != self.pad_id)
 
@@ -168,7 +168,8 @@ class Intervals:
         return is_host(self.lo) and is_host(self.hi)
 
     def __call__(self, b, h, q, kv):
-        return (kv >= _row(jnp.asarray(self.lo), b, q)) & (kv <= _row(jnp.asarray(self.hi), b, q))
+        lo, hi = row_at(jnp.asarray(self.lo), b, q), row_at(jnp.asarray(self.hi), b, q)
+        return (kv >= lo) & (kv <= hi)
 
     def intersect(self, other: "Intervals") -> "Intervals":
         xp = np if self.static and other.static else jnp
