@@ -248,8 +248,10 @@ def test_flash_on_a_machine_without_it_says_how_to_get_it():
 def test_measuring_inside_a_jit_trace_runs_the_calls():
     """Dispatch measures while the user's function is being traced: the timed calls
     must execute (on their own thread), not be staged into that trace."""
-    config = build_call(jnp.ones((1, 64, 2, 16), jnp.float32), jnp.ones((1, 64, 2, 16), jnp.float32),
-                        jnp.ones((1, 64, 2, 16), jnp.float32))[0]
+    # Large enough that a training step (forward and backward) outlasts the forward
+    # clearly on a busy CPU: at 64 tokens call overheads decided the order.
+    x = jnp.ones((1, 512, 2, 64), jnp.float32)
+    config = build_call(x, x, x)[0]
     found = []
 
     def traced(x):
