@@ -22,6 +22,7 @@ from fusedattn.backends import block_sparse as backend
 from fusedattn.inputs import mask_as_bias
 from fusedattn.validation import build_call
 from support import oracle
+from support import block_sparse_cases as bs_cases
 from support.block_sparse_cases import doc_ids, rel_error
 
 B, S, H, H_KV, D = 2, 256, 4, 2, 64
@@ -117,6 +118,48 @@ def test_documents_and_causal_through_fused_attn_with_mqa(hopper):
     got = _run(call, q, k, v, do, doc, jit=True)
     visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
     _check(got, _expected(q, k, v, do, visible, causal=True)[:4])
+
+
+# ---- score_mods reading arrays (the documents mask above) ----------------------------------------------------------
+def doc_scale(s, b, h, i, j, doc, scale):
+    return s * scale[doc[b, i]]
+
+
+def same_doc_of_two(b, h, i, j, doc, _table):
+    return doc[b, i] == doc[b, j]
+
+
+@pytest.mark.parametrize("mask_mod", [same_doc_of_two, None], ids=["documents", "causal-only"])
+def test_score_mod_reading_a_learned_table_runs_in_the_kernels(hopper, mask_mod):
+    """A per-document scale (its table learned: the gradient reaches it) with or without
+    a mask_mod: cuDNN cannot read by position, so block_sparse runs it."""
+    q, k, v, do = _qkvo()
+    doc = _docs()
+    table = jnp.linspace(0.5, 1.5, int(doc.max()) + 1, dtype=jnp.float32)
+    options = dict(mask="causal", score_mod=doc_scale, mask_mod=mask_mod)
+    text = _route(fusedattn.explain(q, k, v, score_mod_args=(doc, table), **options), hopper)
+    if hopper and mask_mod is None:
+        assert "runs the causal mask" not in text
+    call = jax.jit(lambda q, k, v, t: fusedattn.fused_attn(
+        q, k, v, score_mod_args=(doc, t), **options))
+    out, vjp = jax.vjp(call, q, k, v, table)
+    got = vjp(do)
+    same = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
+    visible = np.tril(np.ones((S, S), bool)) & (same if mask_mod is not None else True)
+    ref_out, _, ref = bs_cases.oracle(q, k, v, np.broadcast_to(visible, (B, H, S, S)), D ** -0.5,
+                                      doc_scale, do, args=(doc, table))
+    _check((out,) + got[:3], (ref_out,) + tuple(ref[:3]))
+    assert rel_error(np.asarray(got[3]), ref[4]) < TOL_GRAD
+
+
+def test_a_score_mod_reading_per_head_values_alone_stays_with_cudnn(hopper):
+    """ALiBi slopes read by the head: cuDNN's graph takes them, so block_sparse leaves
+    a call without a mask it must run to cudnn."""
+    q, k, v, _ = _qkvo()
+    alibi = lambda s, b, h, i, j, sl: s + sl[h] * (j - i).astype(s.dtype)  # noqa: E731
+    plan = fusedattn.explain(q, k, v, mask="causal", score_mod=alibi,
+                             score_mod_args=(jnp.linspace(0.1, 0.5, H),))
+    assert "reading arrays by position" in dict(plan.reasons)["block_sparse"]
 
 
 def test_a_score_mod_that_reads_no_array_runs_in_the_kernel(hopper):
@@ -262,10 +305,10 @@ def test_mask_with_a_bias_runs_as_a_bias(hopper):
 def test_refusals_name_the_reason(hopper):
     q, k, v, _ = _qkvo()
     doc = _docs()
-    reads_table = lambda s, b, h, i, j, t: s + t[b, i].astype(s.dtype)  # noqa: E731
-    plan = fusedattn.explain(q, k, v, score_mod=reads_table, mask_mod=same_doc,
+    by_distance = lambda s, b, h, i, j, t: s + t[b, jnp.abs(i - j) % 8]  # noqa: E731
+    plan = fusedattn.explain(q, k, v, score_mod=by_distance, mask_mod=same_doc,
                              score_mod_args=(doc,))
-    assert "score_mod reading arrays" in dict(plan.reasons)["block_sparse"]
+    assert "depends on both q_idx and kv_idx" in dict(plan.reasons)["block_sparse"]
     by_head = lambda b, h, i, j, t: t[h, i] == t[h, j]  # noqa: E731
     table = jnp.zeros((H, S), jnp.int32)
     plan = fusedattn.explain(q, k, v, mask_mod=by_head, score_mod_args=(table,))

@@ -10,12 +10,14 @@ cuDNN's graph has no block list: a mask it does not recognise runs every tile th
   drop-ins' dense boolean mask (`config.dense_mask_shape`): the map is built on the
   device in every call from the call's arrays (`device_map`), and the kernels evaluate
   the mask in partial blocks (array reads hoisted per row / column, `hoisting`; the
-  dense mask read tile by tile).
+  dense mask read tile by tile);
+* a score_mod that reads arrays by position (``scale[doc[b, q]]``): cuDNN's graph has
+  no gather, so with or without a mask it runs here (`block_sparse.kernel_score`).
 
 The built-in causal mask and window are ANDed in. The config's score_mod (if any)
-runs inside the kernel when it reads no array. Anything else is a reason, and
-dispatch moves on; `supports` decides from the config alone (shapes and dtypes of
-the arrays), cached per config.
+runs inside the kernel, its array reads hoisted per row, column or (batch, head).
+Anything else is a reason, and dispatch moves on; `supports` decides from the
+config alone (shapes and dtypes of the arrays), cached per config.
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from ..block_sparse.attention import (block_sparse_attention, block_sparse_atten
                                       on_hopper)
 from ..block_sparse.builders import from_element
 from ..block_sparse.dependence import Reads, mask_mod_reads
-from ..block_sparse.hoisting import mask_mod_reason
+from ..block_sparse import kernel_score
+from ..block_sparse.hoisting import MASK, SCORE, reason
 from ..block_sparse.kernel_parts import BLOCK
 from ..block_sparse.terms import Dense, ElementMask, MaskMod
 from ..config import AttnConfig
@@ -56,9 +59,10 @@ def config_reason(config: AttnConfig) -> Optional[str]:
     """What the kernels cannot run, from the config alone (None: they can)."""
     mask_mod, _ = parts(config)
     rules = (
-        (mask_mod is None and not config.has_dense_mask,
-         "runs a mask_mod's or a dense boolean mask's block map; this call has neither "
-         "(cudnn and flash skip the built-in masks' blocks)"),
+        (mask_mod is None and not config.has_dense_mask and not _score_by_position(config),
+         "runs a mask_mod's or a dense boolean mask's block map, or a score_mod reading "
+         "arrays by position; this call has none (cudnn and flash skip the built-in "
+         "masks' blocks)"),
         (config.is_fp8, "no FP8 kernels"),
         (config.dtype not in DTYPES, f"dtype {config.dtype}: kernels are {'/'.join(DTYPES)}"),
         (config.d_qk != config.d_v or config.d_qk not in HEAD_DIMS,
@@ -89,32 +93,33 @@ def mask_reads(config: AttnConfig) -> Reads:
                           config.s_q, config.s_kv)
 
 
-def _score_reads_args(config: AttnConfig) -> bool:
+@functools.lru_cache(maxsize=256)
+def _score_by_position(config: AttnConfig) -> bool:
+    """Whether the score_mod reads arrays by a position (what cuDNN cannot run)."""
     _, score_mod = parts(config)
-    if score_mod is None:
+    try:
+        split = kernel_score.split(score_mod, _arg_specs(config), config.batch, config.h_q,
+                                   config.s_q, config.s_kv)
+    except Exception:  # no in-kernel form: `args_reason` says why
         return False
-
-    def as_mask_mod(b, h, i, j, *args):  # the score a constant: only the args' taint counts
-        return score_mod(jnp.zeros((), jnp.float32), b, h, i, j, *args)
-    return mask_mod_reads(as_mask_mod, _arg_specs(config), config.batch, config.h_q,
-                          config.s_q, config.s_kv).args
+    return split is not None and split.by_position
 
 
 @functools.lru_cache(maxsize=256)
 def args_reason(config: AttnConfig) -> Optional[str]:
-    """Why a call with score_mod_args cannot run here (None: it can): a score_mod part
-    reading them has no in-kernel form, a mask_mod part must have one (`hoisting`)."""
-    mask_mod, _ = parts(config)
+    """Why a call with score_mod_args cannot run here (None: it can): each part reading
+    them must have an in-kernel form (`hoisting`)."""
+    mask_mod, score_mod = parts(config)
+    specs = _arg_specs(config)
     try:
-        if _score_reads_args(config):
-            return ("a score_mod reading arrays (score_mod_args or closed over): the kernels "
-                    "take no score tables (only a mask_mod may read them)")
+        if score_mod is not None and (why := reason(score_mod, specs, config.batch, config.h_q,
+                                                     config.s_q, config.s_kv, SCORE)):
+            return why
         if mask_mod is None or not mask_reads(config).args:
             return None
         reads = mask_reads(config)
-        return mask_mod_reason(mask_mod, _arg_specs(config),
-                               config.batch if reads.batch else 1,
-                               config.h_q if reads.head else 1, config.s_q, config.s_kv)
+        return reason(mask_mod, specs, config.batch if reads.batch else 1,
+                      config.h_q if reads.head else 1, config.s_q, config.s_kv, MASK)
     except Exception as e:  # a function that cannot be traced here: a reason, not a crash
         return f"score_mod_args: {type(e).__name__}: {e}"
 
@@ -147,23 +152,6 @@ def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
         terms.append(Dense(inputs.dense_mask))
     terms.append(builtin.intervals(config.s_q, config.s_kv, config.mask, config.window))
     return from_element(ElementMask(terms, config.s_q, config.s_kv), (BLOCK, BLOCK))
-
-
-@functools.lru_cache(maxsize=256)
-def kernel_score_mod(config: AttnConfig):
-    """The score_mod the kernels run, ``(score, b, h, q_idx, kv_idx)``; one object per
-    config, so a re-trace reuses the compiled kernels. With score_mod_args (which
-    `args_reason` made sure it does not read) it gets zeros in their place, made inside
-    the trace: a kernel may not capture arrays, and the unread zeros are dead code."""
-    _, score_mod = parts(config)
-    if score_mod is None or not config.score_mod_arg_specs:
-        return score_mod
-    specs = config.score_mod_arg_specs
-
-    def unread_args(score, b, h, q_idx, kv_idx):
-        return score_mod(score, b, h, q_idx, kv_idx,
-                         *(jnp.zeros(shape, dtype) for shape, dtype in specs))
-    return unread_args
 
 
 class BlockSparseBackend:
@@ -207,7 +195,8 @@ class BlockSparseBackend:
             raise ValueError(f"block_sparse backend cannot run {config.short()}: {why}")
         bm = block_map(config) if static(config) else device_map(config, inputs)
         return attend(inputs.q, inputs.k, inputs.v, bm, scale=config.scale,
-                      score_mod=kernel_score_mod(config), implementation=IMPLEMENTATION)
+                      score_mod=parts(config)[1], score_mod_args=inputs.score_mod_args,
+                      implementation=IMPLEMENTATION)
 
     def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
         return self._run(config, inputs, block_sparse_attention)

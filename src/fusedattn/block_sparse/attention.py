@@ -19,29 +19,32 @@ from . import kernel_bwd, kernel_fwd, reference
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
 from .kernel_parts import BLOCK
+from .kernel_score import kernel_score
 
 IMPLEMENTATIONS = ("mosaic", "reference")
 
 
 def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[float] = None,
-                           score_mod: Optional[Callable] = None,
+                           score_mod: Optional[Callable] = None, score_mod_args=(),
                            implementation: Optional[str] = None):
     """Attention of q ``[b, s_q, h_q, d]`` over k, v ``[b, s_kv, h_kv, d]`` (bshd,
     h_q a multiple of h_kv) where `block_map` says which pairs are visible;
-    ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites the scaled score (elementwise
-    JAX code; on GPU it runs inside the kernel). Rows with no visible key give 0.
-    Differentiable in q, k, v. Lengths need not be multiples of the block: the arrays
-    are padded to whole blocks and the padding masked. `implementation`: "mosaic",
-    "reference" or None (mosaic on a Hopper GPU, else reference)."""
-    out, _ = _call(q, k, v, block_map, scale, score_mod, implementation)
+    ``score_mod(score, b, h, q_idx, kv_idx, *score_mod_args)`` rewrites the scaled
+    score (elementwise JAX code; on GPU it runs inside the kernel, its reads of the
+    args by position, batch or head hoisted out: `kernel_score`). Rows with no
+    visible key give 0. Differentiable in q, k, v and the float args. Lengths need
+    not be multiples of the block: the arrays are padded to whole blocks and the
+    padding masked. `implementation`: "mosaic", "reference" or None (mosaic on a
+    Hopper GPU, else reference)."""
+    out, _ = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation)
     return out
 
 
 def block_sparse_attention_with_lse(q, k, v, block_map: BlockMap, *, scale=None,
-                                    score_mod=None, implementation=None):
+                                    score_mod=None, score_mod_args=(), implementation=None):
     """(out, lse): lse is the fp32 natural log-sum-exp ``[b, h_q, s_q]`` (-inf on
     rows with no visible key)."""
-    out, lse2 = _call(q, k, v, block_map, scale, score_mod, implementation)
+    out, lse2 = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation)
     return out, lse2 * math.log(2.0)
 
 
@@ -60,12 +63,16 @@ def on_hopper() -> bool:
     return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
-def _call(q, k, v, bm, scale, score_mod, implementation):
+def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation):
     _check(q, k, v, bm)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = choose_implementation(q, implementation)
     km = _padded(kernel_mask(bm.element), bm.s_q, bm.s_kv)
     s_q, s_kv = q.shape[1], k.shape[1]
+    score = kernel_score(score_mod, tuple(score_mod_args), q.shape[0], q.shape[2], s_q, s_kv)
+    fn, values = (None, (None, None)) if score is None else (
+        score.fn, (_pad_tokens(score.q_values, _whole(s_q), axis=3),
+                   _pad_tokens(score.kv_values, _whole(s_kv), axis=3)))
     # Lengths past a block boundary: the arrays padded to whole blocks (the map already
     # has the blocks; the key padding is masked in the last block, which is never full,
     # and the padded rows' outputs are cut off, so their cotangent is 0).
@@ -75,7 +82,7 @@ def _call(q, k, v, bm, scale, score_mod, implementation):
     bwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
     ints = (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays, km.dense)
-    out, lse2 = _attention(km.fn, scale, score_mod, impl, q, k, v, ints)
+    out, lse2 = _attention(km.fn, scale, fn, impl, q, k, v, values, ints)
     return out[:, :s_q], lse2[..., :s_q]
 
 
@@ -107,25 +114,25 @@ def _padded(km: KernelMask, s_q: int, s_kv: int) -> KernelMask:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(fn, scale, score_mod, impl, q, k, v, ints):
-    return _forward(fn, scale, score_mod, impl, q, k, v, ints)
+def _attention(fn, scale, score, impl, q, k, v, values, ints):
+    return _forward(fn, scale, score, impl, q, k, v, values, ints)
 
 
-def _forward(fn, scale, score_mod, impl, q, k, v, ints):
+def _forward(fn, scale, score, impl, q, k, v, values, ints):
     fwd_lists, _, qa, ka, dense = ints
     km = KernelMask(qa, ka, dense, fn)
-    if impl == "mosaic":
-        return kernel_fwd.forward(q, k, v, fwd_lists, km, scale=scale, score_mod=score_mod)
-    return reference.forward(q, k, v, fwd_lists, km, scale=scale, score_mod=score_mod)
+    kernels = kernel_fwd if impl == "mosaic" else reference
+    return kernels.forward(q, k, v, fwd_lists, km, scale=scale, score=score,
+                           score_values=values)
 
 
-def _fwd(fn, scale, score_mod, impl, q, k, v, ints):
-    out, lse2 = _forward(fn, scale, score_mod, impl, q, k, v, ints)
-    return (out, lse2), (q, k, v, ints, out, lse2)
+def _fwd(fn, scale, score, impl, q, k, v, values, ints):
+    out, lse2 = _forward(fn, scale, score, impl, q, k, v, values, ints)
+    return (out, lse2), (q, k, v, values, ints, out, lse2)
 
 
-def _bwd(fn, scale, score_mod, impl, res, cts):
-    q, k, v, ints, out, lse2 = res
+def _bwd(fn, scale, score, impl, res, cts):
+    q, k, v, values, ints, out, lse2 = res
     do = cts[0].astype(q.dtype)
     fwd_lists, bwd_lists, qa, ka, dense = ints
     km = KernelMask(qa, ka, dense, fn)
@@ -135,20 +142,32 @@ def _bwd(fn, scale, score_mod, impl, res, cts):
     delta = jax.lax.optimization_barrier(delta)
     # +inf on rows with no visible key: their probabilities exp2(s - lse) are 0
     lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
-    kw = dict(scale=scale, score_mod=score_mod)
+    kw = dict(scale=scale, score=score, score_values=values)
     if impl == "mosaic":
-        dq = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
+        dq, d_q_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
         km_t = km if dense is None else km._replace(dense=jnp.swapaxes(dense, -1, -2))
-        dk, dv = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km_t, **kw)
+        dk, dv, d_kv_values = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km_t, **kw)
     else:
-        dq = reference.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
-        dk, dv = reference.dkv(q, k, v, do, lse_delta, bwd_lists, km, **kw)
+        dq, d_q_values = reference.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
+        dk, dv, d_kv_values = reference.dkv(q, k, v, do, lse_delta, bwd_lists, km, **kw)
     dk, dv = (_group_sum(x, k.shape[2]).astype(k.dtype) for x in (dk, dv))
+    d_values = tuple(_summed_to(g, x) for g, x in zip((d_q_values, d_kv_values), values))
     zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), ints)
-    return dq, dk, dv, zeros
+    return dq, dk, dv, d_values, zeros
 
 
 _attention.defvjp(_fwd, _bwd)
+
+
+def _summed_to(grad, x):
+    """A value-words gradient [B, H, n, S] summed to the words' broadcast shape (zeros
+    where the kernels returned none: no value there is a float)."""
+    if x is None:
+        return None
+    if grad is None:
+        return jnp.zeros_like(x)
+    axes = tuple(a for a in (0, 1) if x.shape[a] == 1 and grad.shape[a] != 1)
+    return grad.sum(axes, keepdims=True) if axes else grad
 
 
 def _group_sum(x, h_kv):
