@@ -241,6 +241,105 @@ def test_fully_masked_row_and_causal_through_dot_product_attention(hopper):
                                want[4].transpose(0, 2, 1)[seen], atol=5e-2)
 
 
+def _empty_rows_and_padding():
+    """A random mask with rows that see nothing (one row; whole blocks of rows), keys
+    padded away from some rows' only visible keys, and padded query rows."""
+    mask = np.random.default_rng(4).random((B, 1, S, S)) < 0.3
+    mask[:, :, 5] = False
+    mask[1, :, 200:] = False
+    mask[0, :, 150:170] = False
+    mask[0, :, 150:170, 100:110] = True          # hidden by kv length 100 in batch 0
+    lengths = dict(query_seq_lengths=jnp.asarray([S, 180], jnp.int32),
+                   key_value_seq_lengths=jnp.asarray([100, S], jnp.int32))
+    return mask, lengths
+
+
+def _jax_nn(q, k, v, **options):
+    """jax.nn's own XLA path, k / v repeated over each group of query heads."""
+    group = q.shape[2] // k.shape[2]
+    return jax.nn.dot_product_attention(q, jnp.repeat(k, group, 2), jnp.repeat(v, group, 2),
+                                        implementation="xla", **options)
+
+
+def test_empty_rows_padding_and_causal_against_jax_nn(hopper):
+    """Rows that see no key (the mask, kv padding, is_causal), padded query rows: output
+    and gradients as jax.nn's own XLA path, on both routes (padding takes block_sparse)."""
+    q, k, v, do = _qkvo()
+    mask, lengths = _empty_rows_and_padding()
+    _route(fusedattn.jax_nn.explain(q, k, v, mask=mask, is_causal=True, **lengths), hopper)
+
+    def call(fn):
+        return lambda q, k, v, m, ql, kvl: fn(q, k, v, mask=m, is_causal=True,
+                                              query_seq_lengths=ql, key_value_seq_lengths=kvl)
+    extra = (jnp.asarray(mask), *lengths.values())
+    got = _run(call(fusedattn.dot_product_attention), q, k, v, do, *extra, jit=True)
+    # jax.nn in float32 (its bf16 result is as far from the truth as ours)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    want = _run(call(_jax_nn), *f32, *extra)
+    _check(got, [np.asarray(x, np.float64) for x in want])
+    assert np.all(np.asarray(got[0])[1, 180:] == 0)          # padded query rows
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_residual_of_rows_that_see_no_key_is_jax_nns(hopper, dtype):
+    """return_residual: a row that sees no key (padded query rows too) gets jax.nn's
+    log-sum-exp on both routes, though block_sparse's kernels give -inf there and the
+    mask as a bias a value shifted by its constant (float16: -inf, as jax.nn's)."""
+    q, k, v, _ = (x.astype(dtype) for x in _qkvo())
+    mask, lengths = _empty_rows_and_padding()
+    options = dict(mask=mask, is_causal=True, **lengths)
+    _route(fusedattn.jax_nn.explain(q, k, v, **options), hopper)
+    out, lse = jax.jit(lambda q, k, v: fusedattn.dot_product_attention(
+        q, k, v, return_residual=True, **options))(q, k, v)
+    want_out, want = _jax_nn(q, k, v, return_residual=True, **options)
+    assert lse.dtype == want.dtype == dtype
+    lse, want = np.asarray(lse, np.float32), np.asarray(want, np.float32)
+    unseen = want < -1e30 if dtype == jnp.bfloat16 else want == -np.inf
+    assert unseen[0, 5].all() and unseen[1, 180:].all() and unseen[0, 150:170].all()
+    np.testing.assert_array_equal(lse[unseen], want[unseen])
+    np.testing.assert_allclose(lse[~unseen], want[~unseen], atol=5e-2)
+    assert rel_error(np.asarray(out, np.float32), np.asarray(want_out, np.float64)) < TOL_OUT
+
+
+def _reductions_over_pairs(fn, *args, t=S, s=S):
+    """The reduce_or equations of fn's jaxpr (sub-jaxprs included) over the key axis of
+    a boolean [.., T, S] operand: the S^2 pass that finds rows seeing no key."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "reduce_or":
+                aval = eqn.invars[0].aval
+                if (aval.dtype == jnp.bool_ and aval.shape[-2:] == (t, s)
+                        and aval.ndim - 1 in eqn.params["axes"]):
+                    found.append(eqn)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                        walk(sub.jaxpr)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("return_residual", [False, True])
+def test_block_sparse_finds_rows_seeing_nothing_without_an_s2_pass(hopper, return_residual):
+    """On block_sparse the rows that see no key come from the kernels' lse (-inf there);
+    the bias route keeps its pass over the mask (which shows the check finds one)."""
+    q, k, v, do = _qkvo()
+    mask, lengths = _empty_rows_and_padding()
+
+    def loss(q, k, v, m):
+        out = fusedattn.dot_product_attention(q, k, v, mask=m, is_causal=True,
+                                              return_residual=return_residual, **lengths)
+        out = out[0] if return_residual else out
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+    passes = _reductions_over_pairs(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, v,
+                                    jnp.asarray(mask))
+    assert bool(passes) != hopper, passes
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["plain", "jit"])
 def test_float_document_mask_through_flax_attention_fn(hopper, jit):
     """Flax's make_attention_mask gives float masks (non-zero: attend), [B, 1, T, S]."""

@@ -135,12 +135,13 @@ def _doc_mask_mod(b, h, i, j, doc):
 
 
 @pytest.mark.parametrize("route", ["fused_attn, ids", "jax.nn drop-in, dense mask",
+                                   "jax.nn drop-in, dense mask and padding",
                                    "flax drop-in, make_causal_mask"])
 def test_dispatch_runs_maps_built_on_the_device(route):
     """Masks whose map is built on the device in every call take the block_sparse
     backend by themselves: a mask_mod reading an id array through fused_attn, a dense
-    document mask through the jax.nn drop-in, Flax's causal mask through attention_fn.
-    Forward and gradients against the float64 oracle."""
+    document mask through the jax.nn drop-in (with padding lengths too), Flax's causal
+    mask through attention_fn. Forward and gradients against the float64 oracle."""
     import fusedattn
     import fusedattn.flax
     import fusedattn.jax_nn
@@ -159,9 +160,15 @@ def test_dispatch_runs_maps_built_on_the_device(route):
         visible = np.asarray(ids[:, None, :, None] == ids[:, None, None, :])
     elif route.startswith("jax.nn"):
         dense = ids[:, None, :, None] == ids[:, None, None, :]
-        call = lambda q, k, v: fusedattn.dot_product_attention(q, k, v, mask=dense)
-        plan = fusedattn.jax_nn.explain(q, k, v, mask=dense)
+        lengths = {}
         visible = np.asarray(dense)
+        if route.endswith("padding"):  # every real row sees its own key; padded rows give 0
+            n = jnp.asarray([s, 250], jnp.int32)
+            lengths = dict(query_seq_lengths=n, key_value_seq_lengths=n)
+            real = np.arange(s)[None, :] < np.asarray(n)[:, None]
+            visible = visible & real[:, None, :, None] & real[:, None, None, :]
+        call = lambda q, k, v: fusedattn.dot_product_attention(q, k, v, mask=dense, **lengths)
+        plan = fusedattn.jax_nn.explain(q, k, v, mask=dense, **lengths)
     else:
         causal = nn.make_causal_mask(jnp.ones((B, s)), dtype=jnp.bool_)
         call = lambda q, k, v: fusedattn.flax.attention_fn(q, k, v, mask=causal)

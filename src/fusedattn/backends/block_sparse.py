@@ -14,10 +14,12 @@ cuDNN's graph has no block list: a mask it does not recognise runs every tile th
 * a score_mod that reads arrays by position (``scale[doc[b, q]]``): cuDNN's graph has
   no gather, so with or without a mask it runs here (`block_sparse.kernel_score`).
 
-The built-in causal mask and window are ANDed in. The config's score_mod (if any)
-runs inside the kernel, its array reads hoisted per row, column or (batch, head).
-Anything else is a reason, and dispatch moves on; `supports` decides from the
-config alone (shapes and dtypes of the arrays), cached per config.
+The built-in causal mask and window are ANDed in, and so are padding lengths (per-row
+key intervals; a padded call's map is built on the device): padded query rows see no
+key, so they give 0. The config's score_mod (if any) runs inside the kernel, its array
+reads hoisted per row, column or (batch, head). Anything else (packed sequences among
+it) is a reason, and dispatch moves on; `supports` decides from the config alone
+(shapes and dtypes of the arrays), cached per config.
 """
 from __future__ import annotations
 
@@ -69,7 +71,8 @@ def config_reason(config: AttnConfig) -> Optional[str]:
          f"head dims {config.d_qk}/{config.d_v}: kernels take d_qk == d_v in {HEAD_DIMS}"),
         (config.layout != "bshd" or config.qkv_packing != "separate",
          "takes separate q, k, v in the bshd layout"),
-        (config.sequence != "dense", f"sequence {config.sequence!r}: takes dense sequences"),
+        (config.sequence not in ("dense", "padding"),
+         f"sequence {config.sequence!r}: takes dense or padded sequences"),
         (config.has_bias or config.has_dropout or config.softmax != "vanilla",
          "takes no bias, dropout or sink softmax"),
     )
@@ -125,8 +128,10 @@ def args_reason(config: AttnConfig) -> Optional[str]:
 
 
 def static(config: AttnConfig) -> bool:
-    """Whether the call's map is static: a mask_mod of positions alone, no dense mask."""
-    return not config.has_dense_mask and mask_reads(config).positions_only
+    """Whether the call's map is static: a mask_mod of positions alone, no dense mask,
+    no padding lengths."""
+    return (not config.has_dense_mask and not config.is_padded
+            and mask_reads(config).positions_only)
 
 
 @functools.lru_cache(maxsize=256)
@@ -141,8 +146,9 @@ def block_map(config: AttnConfig) -> block_sparse.BlockMap:
 
 
 def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
-    """The call's map from its arrays (the mask_mod's args, the dense mask), built on the
-    device in this call: the AND of those terms and the built-in mask and window."""
+    """The call's map from its arrays (the mask_mod's args, the dense mask, the padding
+    lengths), built on the device in this call: the AND of those terms and the built-in
+    mask and window."""
     mask_mod, _ = parts(config)
     terms = []
     if mask_mod is not None:
@@ -150,7 +156,8 @@ def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
                                    config.h_q, config.s_q, config.s_kv))
     if inputs.dense_mask is not None:
         terms.append(Dense(inputs.dense_mask))
-    terms.append(builtin.intervals(config.s_q, config.s_kv, config.mask, config.window))
+    terms.append(builtin.intervals(config.s_q, config.s_kv, config.mask, config.window,
+                                   inputs.sequence if config.is_padded else None))
     return from_element(ElementMask(terms, config.s_q, config.s_kv), (BLOCK, BLOCK))
 
 
@@ -183,6 +190,8 @@ class BlockSparseBackend:
             sources.append("the mask_mod" + (f" (it reads {' and '.join(read)})" if read else ""))
         if config.has_dense_mask:
             sources.append("the dense boolean mask")
+        if config.is_padded:
+            sources.append("the padding lengths")
         return (f"block map of {BLOCK}x{BLOCK} blocks built on the device in every call from "
                 f"{' and '.join(sources)}"
                 + (f", with the {config.mask} mask" if config.causal else "")
