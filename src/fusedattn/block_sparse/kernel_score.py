@@ -61,7 +61,7 @@ def kernel_score(score_mod: Optional[Callable], args: Sequence, batch: int, head
 def _split(score_mod, specs, batch, heads, s_q, s_kv):
     """(ScoreFn, the hoisting split or None); one ScoreFn per score_mod and shapes, so
     a re-trace reuses the compiled kernels."""
-    if not specs or not _reads_args(score_mod, specs, batch, heads, s_q, s_kv):
+    if not _reads_args(score_mod, specs, batch, heads, s_q, s_kv):  # (closures count)
         def call(x, b, h, q, kv, q_tiles, kv_tiles):
             # unread args: zeros made inside the trace (a kernel may not capture arrays)
             return score_mod(x, b, h, q, kv, *(jnp.zeros(s.shape, s.dtype) for s in specs))
