@@ -13,7 +13,7 @@ import pytest
 from support.block_sparse_cases import doc_ids, oracle, rel_error
 from fusedattn import block_sparse as bs
 from fusedattn.block_sparse.attention import block_sparse_attention
-from fusedattn.block_sparse.hoisting import Unsupported, hoist, mask_mod_reason
+from fusedattn.block_sparse.hoisting import Unsupported, hoist, reason as mask_mod_reason
 from fusedattn.block_sparse.kernel_mask import kernel_mask
 from fusedattn.sequence import SequenceDescriptor
 

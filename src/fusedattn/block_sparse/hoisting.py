@@ -183,12 +183,6 @@ def reason(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
     return None
 
 
-def mask_mod_reason(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int,
-                    s_kv: int) -> Optional[str]:
-    """`reason` for a mask_mod ``fn(b, h, q_idx, kv_idx, *args)``."""
-    return reason(fn, arg_specs, batch, heads, s_q, s_kv, MASK)
-
-
 def _refusal(kind: Kind, why: str) -> str:
     return f"a {kind.name} that reads arrays has no in-kernel form here: {why}"
 

@@ -143,7 +143,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                            for r in range(n_ka)]
                     d = None
                     if dense is not None:
-                        at = (b if dense.shape[0] > 1 else 0, h if dense.shape[1] > 1 else 0)
+                        at = _bh(dense, b, h)
                         plgpu.copy_gmem_to_smem(d_ref.at[at + (rows, pl.ds(k0, width))],
                                                 d_smem.at[wg], d_ready.at[wg])
                         plgpu.barrier_wait(d_ready.at[wg])
@@ -318,7 +318,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     kvv = [rows_of(x, shape) for x in kv_vals]
                     d = None
                     if dense is not None:
-                        at = (b if dense.shape[0] > 1 else 0, h if dense.shape[1] > 1 else 0)
+                        at = _bh(dense, b, h)
                         plgpu.copy_gmem_to_smem(d_ref.at[at + (keys, pl.ds(q0, HALF))],
                                                 d_smem.at[wg], d_ready.at[wg])
                         plgpu.barrier_wait(d_ready.at[wg])

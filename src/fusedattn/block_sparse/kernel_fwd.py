@@ -117,7 +117,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                            for r in range(n_ka)]
                     d = None
                     if dense is not None:
-                        at = (b if dense.shape[0] > 1 else 0, h if dense.shape[1] > 1 else 0)
+                        at = _bh(dense, b, h)
                         plgpu.copy_gmem_to_smem(
                             d_ref.at[at + (pl.ds(q0, ROWS), pl.ds(j * BLOCK, BLOCK))],
                             d_smem.at[wg], d_ready.at[wg])

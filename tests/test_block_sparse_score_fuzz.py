@@ -1,0 +1,531 @@
+"""Randomly generated score_mods that read arrays, split by `hoisting` (`kernel_score`):
+the hoisted values (`split.values`) plus the tile side, on every (b, h) pair, against
+the score_mod itself; the pullback `kernel_score.apply` gives the kernels (dx and the
+float values' gradients, carried to the args through `split.values`) against
+`jax.grad`; and generated score_mods whose reads have no in-kernel form are refused
+with the rule named.
+
+Each program reads the score, b, h, q_idx, kv_idx and 1-3 of the arrays below
+(float tables per row / column / (batch, head), through ids or not, int arrays read
+per side and combined across sides on the tiles, 8-bit integers that wrap, bools, a
+bfloat16 table, a scalar, closed-over constant tables, reductions and cumulative sums
+on the device), mixed with elementwise operations. Everything it reads is by one side
+or by (b, h) only, so every program must split.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fusedattn.block_sparse import hoisting, kernel_score
+from fusedattn.block_sparse.hoisting import Unsupported
+
+B, H, S_Q, S_KV = 2, 3, 7, 5
+L, ND = 8, 4        # table length along positions (>= S_Q, S_KV); number of "documents"
+F32 = jnp.float32
+N_PROGRAMS, N_GRAD = 150, 40
+
+_rng = np.random.default_rng(0)
+ARRAYS = {
+    # integers: document ids, positions (negative too), 8-bit values, flags
+    "doc": jnp.asarray(_rng.integers(0, ND, (B, L)), jnp.int32),
+    "pos": jnp.asarray(_rng.integers(-20, 40, (B, L)), jnp.int32),
+    "small": jnp.asarray(_rng.integers(-4, 4, (B, L)), jnp.int8),
+    "flag": jnp.asarray(_rng.random((B, L)) < 0.5),
+    # floats: per (b, position), per (h, position), per document, per (h, document),
+    # per (b, h, position), per head, per batch, a scalar, a bfloat16 table
+    "tb": jnp.asarray(_rng.normal(size=(B, L)), F32),
+    "th": jnp.asarray(_rng.normal(size=(H, L)), F32),
+    "td": jnp.asarray(_rng.uniform(0.5, 1.5, (ND,)), F32),
+    "thd": jnp.asarray(_rng.uniform(-1.0, 1.0, (H, ND)), F32),
+    "gate": jnp.asarray(_rng.normal(size=(B, H, L)), F32),
+    "vh": jnp.asarray(_rng.normal(size=(H,)), F32),
+    "vb": jnp.asarray(_rng.normal(size=(B,)), F32),
+    "temp": jnp.asarray(0.7, F32),
+    "half": jnp.asarray(_rng.normal(size=(B, L)), jnp.bfloat16),
+}
+NAMES = tuple(ARRAYS)
+CONST_F = np.linspace(-1.0, 1.0, L, dtype=np.float32)   # closed over: read like an arg
+CONST_I = (np.arange(L, dtype=np.int32) * 5) % 7
+SCORE = jnp.asarray(_rng.normal(size=(B, H, S_Q, S_KV)) * 2.0, F32)
+IDX = (jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
+       jnp.arange(S_Q)[None, None, :, None], jnp.arange(S_KV)[None, None, None, :])
+
+
+def _specs(args):
+    return [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
+
+
+def _pick(rng, options):
+    return options[int(rng.integers(len(options)))]
+
+
+# ---- the generator -------------------------------------------------------------------
+# Expressions are closures over an environment e: the score "s", "b", "h", "q", "kv"
+# and the program's arrays by name; `avail` is the set of arrays the program takes.
+
+def _index(rng, side, avail, nested=True):
+    """An index into [0, L) from one position (q or kv), maybe through an int array."""
+    pos = lambda e: e[side]  # noqa: E731
+    options = [lambda e: pos(e), lambda e: pos(e) // 2, lambda e: L - 1 - pos(e)]
+    c = int(rng.integers(1, L))
+    options += [lambda e: (pos(e) + c) % L, lambda e: jnp.minimum(pos(e), c)]
+    if nested:
+        inner = _index(rng, side, avail, nested=False)
+        if "pos" in avail:
+            options.append(lambda e: e["pos"][e["b"], inner(e)] % L)
+        if "doc" in avail:
+            options.append(lambda e: e["doc"][e["b"], inner(e)] * 2 + 1)
+        options.append(lambda e: jnp.asarray(CONST_I)[inner(e)])
+    return _pick(rng, options)
+
+
+def _ident(rng, side, avail):
+    """A document-like id in [0, ND) of one position (maybe with the head mixed in)."""
+    idx = _index(rng, side, avail)
+    options = [lambda e: idx(e) % ND, lambda e: (idx(e) + e["h"]) % ND]
+    if "doc" in avail:
+        options += [lambda e: e["doc"][e["b"], idx(e)]] * 2
+    if "pos" in avail:
+        options.append(lambda e: e["pos"][e["b"], idx(e)] % ND)
+    return _pick(rng, options)
+
+
+def _side_float(rng, side, avail):
+    """A float read by one side: per row (side "q") or per column ("kv")."""
+    idx, ident = _index(rng, side, avail), _ident(rng, side, avail)
+    options = [lambda e: jnp.asarray(CONST_F)[idx(e)]]
+    if "tb" in avail:
+        options += [lambda e: e["tb"][e["b"], idx(e)],
+                    lambda e: jnp.cumsum(e["tb"], axis=1)[e["b"], idx(e)] * 0.5]
+    if "th" in avail:
+        options.append(lambda e: e["th"][e["h"], idx(e)])
+    if "td" in avail:
+        options.append(lambda e: e["td"][ident(e)])
+    if "thd" in avail:
+        options.append(lambda e: e["thd"][e["h"], ident(e)])
+    if "gate" in avail:
+        options.append(lambda e: e["gate"][e["b"], e["h"], idx(e)])
+    if "half" in avail:
+        options += [lambda e: e["half"][e["b"], idx(e)],  # bfloat16 (promoted later)
+                    lambda e: e["half"][e["b"], idx(e)].astype(F32) * 0.5]
+    return _pick(rng, options)
+
+
+def _bh_float(rng, avail):
+    """A float read by (b, h) only (or by nothing: a scalar)."""
+    c = int(rng.integers(L))
+    options = [lambda e: jnp.asarray(CONST_F)[e["h"] + 1]]
+    if "vh" in avail:
+        options.append(lambda e: e["vh"][e["h"]])
+    if "vb" in avail:
+        options.append(lambda e: e["vb"][e["b"]])
+    if "th" in avail:
+        options += [lambda e: e["th"][e["h"], c],
+                    lambda e: jnp.max(e["th"][e["h"]], axis=-1)]
+    if "gate" in avail:
+        options += [lambda e: e["gate"][e["b"], e["h"], c],
+                    lambda e: jnp.sum(e["gate"][e["b"], e["h"]], axis=-1) * 0.2]
+    if "tb" in avail:
+        options += [lambda e: jax.nn.logsumexp(e["tb"][e["b"]], axis=-1),
+                    lambda e: jnp.mean(e["tb"])]
+    if "temp" in avail:
+        options += [lambda e: e["temp"]] * 2
+    if "td" in avail and "doc" in avail:
+        options.append(lambda e: e["td"][e["doc"][e["b"], c]])
+    if "thd" in avail:
+        options.append(lambda e: e["thd"][e["h"], c % ND])
+    return _pick(rng, options)
+
+
+def _side_int(rng, side, avail):
+    """An int32 read by one side (8-bit arithmetic may mix in the other side's read)."""
+    idx = _index(rng, side, avail)
+    options = [lambda e: jnp.asarray(CONST_I)[idx(e)]]
+    for name in ("doc", "pos"):
+        if name in avail:
+            options += [lambda e, name=name: e[name][e["b"], idx(e)]] * 2
+    if "flag" in avail:
+        options.append(lambda e: e["flag"][e["b"], idx(e)].astype(jnp.int32))
+    if "small" in avail:
+        other, c = _index(rng, _pick(rng, ("q", "kv")), avail), int(rng.integers(20, 60))
+        options += [lambda e: e["small"][e["b"], idx(e)].astype(jnp.int32),
+                    # int8 arithmetic that wraps (on the tiles when `other` is the other side)
+                    lambda e: (e["small"][e["b"], idx(e)] * jnp.int8(c)
+                               - e["small"][e["b"], other(e)]).astype(jnp.int32)]
+    return _pick(rng, options)
+
+
+def _int(rng, depth, avail):
+    k = int(rng.integers(8 if depth > 0 else 4))
+    if k == 0:
+        return _side_int(rng, _pick(rng, ("q", "kv")), avail)
+    if k == 1:
+        name = _pick(rng, ("q", "kv", "b", "h"))
+        return lambda e: e[name]
+    if k == 2:
+        c = int(rng.integers(-3, 6))
+        return lambda e: jnp.int32(c)
+    if k == 3:  # per-row and per-column reads combined on the tiles
+        r, c = _side_int(rng, "q", avail), _side_int(rng, "kv", avail)
+        return lambda e: jnp.abs(r(e) - c(e))
+    x, y = _int(rng, depth - 1, avail), _int(rng, depth - 1, avail)
+    if k == 4:
+        op = _pick(rng, (jnp.add, jnp.subtract, jnp.maximum, jnp.minimum))
+        return lambda e: op(x(e), y(e))
+    if k in (5, 6):
+        c = int(rng.integers(1, 4))
+        unary = _pick(rng, (lambda v: v // c, lambda v: v % c, lambda v: v * c, jnp.abs,
+                            jnp.negative, lambda v: (v.astype(F32) * 0.5).astype(jnp.int32)))
+        return lambda e: unary(x(e))
+    cond = _bool(rng, depth - 1, avail)
+    return lambda e: jnp.where(cond(e), x(e), y(e))
+
+
+def _bool(rng, depth, avail):
+    k = int(rng.integers(6 if depth > 0 else 3))
+    if k == 0 and "flag" in avail:
+        idx = _index(rng, _pick(rng, ("q", "kv")), avail)
+        return lambda e: e["flag"][e["b"], idx(e)]
+    if k <= 1:
+        x, y = _int(rng, depth, avail), _int(rng, depth, avail)
+        op = _pick(rng, (jnp.equal, jnp.not_equal, jnp.less, jnp.less_equal))
+        return lambda e: op(x(e), y(e))
+    if k == 2:
+        x, y = _float(rng, min(depth, 1), avail), _float(rng, min(depth, 1), avail)
+        op = _pick(rng, (jnp.less, jnp.greater_equal))
+        return lambda e: op(x(e), y(e))
+    if k == 3:
+        x = _bool(rng, depth - 1, avail)
+        return lambda e: ~x(e)
+    x, y = _bool(rng, depth - 1, avail), _bool(rng, depth - 1, avail)
+    return (lambda e: x(e) & y(e)) if k == 4 else (lambda e: x(e) | y(e))
+
+
+def _float(rng, depth, avail):
+    k = int(rng.integers(16 if depth > 0 else 6))
+    if k == 0:
+        return lambda e: e["s"]
+    if k in (1, 2):
+        return _side_float(rng, _pick(rng, ("q", "kv")), avail)
+    if k == 3:
+        return _bh_float(rng, avail)
+    if k == 4:
+        c = float(rng.uniform(-2, 2))
+        return lambda e: jnp.float32(c)
+    if k == 5:
+        x, c = _int(rng, max(depth - 1, 0), avail), float(rng.uniform(0.05, 0.5))
+        return lambda e: x(e).astype(F32) * c
+    x, y = _float(rng, depth - 1, avail), _float(rng, depth - 1, avail)
+    if k in (6, 7):
+        op = _pick(rng, (jnp.add, jnp.subtract, jnp.multiply, jnp.maximum, jnp.minimum))
+        return lambda e: op(x(e), y(e))
+    if k in (8, 9):
+        unary = _pick(rng, (
+            jnp.tanh, jax.nn.sigmoid, jnp.abs, jnp.negative, lambda v: v * 0.5,
+            lambda v: jnp.exp(0.5 * jnp.tanh(v)), lambda v: jnp.clip(v, -2.0, 2.0),
+            lambda v: jnp.sqrt(1.0 + v * v), lambda v: jnp.tanh(v) ** 2))
+        return lambda e: unary(x(e))
+    if k == 10:
+        return lambda e: x(e) / (1.0 + jnp.abs(y(e)))
+    if k in (11, 12):
+        cond = _bool(rng, depth - 1, avail)
+        return lambda e: jnp.where(cond(e), x(e), y(e))
+    if k == 13:  # a float read per row or column times a position difference (ALiBi-like)
+        r, i = _side_float(rng, _pick(rng, ("q", "kv")), avail), _int(rng, 1, avail)
+        return lambda e: r(e) * (e["kv"] - e["q"]).astype(F32) * 0.1 + x(e) * i(e).astype(F32)
+    return lambda e: x(e) * y(e)
+
+
+def _arg_read(rng, names):
+    """A float32 value that reads one of the program's own args (so each program reads one)."""
+    name, avail = _pick(rng, names), set(names)
+    side = _pick(rng, ("q", "kv"))
+    idx, ident = _index(rng, side, avail, nested=False), _ident(rng, side, avail)
+    c = int(rng.integers(L))
+    return {
+        "doc": lambda e: e["doc"][e["b"], idx(e)].astype(F32) * 0.3,
+        "pos": lambda e: jnp.abs(e["pos"][e["b"], e["q"]] - e["pos"][e["b"], e["kv"]]
+                                 ).astype(F32) * 0.05,
+        "small": lambda e: e["small"][e["b"], idx(e)].astype(F32),
+        "flag": lambda e: jnp.where(e["flag"][e["b"], idx(e)], 0.5, -0.5),
+        "tb": lambda e: e["tb"][e["b"], idx(e)],
+        "th": lambda e: e["th"][e["h"], idx(e)],
+        "td": lambda e: e["td"][ident(e)],
+        "thd": lambda e: e["thd"][e["h"], ident(e)],
+        "gate": lambda e: e["gate"][e["b"], e["h"], idx(e)],
+        "vh": lambda e: e["vh"][e["h"]],
+        "vb": lambda e: e["vb"][e["b"]] * (e["q"] - e["kv"]).astype(F32) * 0.1,
+        "temp": lambda e: e["temp"] * e["q"].astype(F32),
+        "half": lambda e: e["half"][e["b"], c].astype(F32) + e["half"][e["b"], idx(e)],
+    }[name]
+
+
+def _program(seed):
+    """(score_mod, args): a random score_mod reading the score and 1-3 arrays."""
+    rng = np.random.default_rng(seed)
+    names = tuple(sorted(rng.choice(NAMES, size=int(rng.integers(1, 4)), replace=False)))
+    avail = set(names)
+    body = _float(rng, int(rng.integers(1, 4)), avail)
+    read = _arg_read(rng, names)
+    top = _pick(rng, (
+        lambda e: body(e) + e["s"] * (1.0 + 0.5 * jnp.tanh(read(e))),
+        lambda e: body(e) + e["s"] + read(e),
+        lambda e: jnp.where(read(e) > 0, e["s"], 0.5 * e["s"]) + body(e),
+        lambda e: jax.nn.sigmoid(read(e)) * e["s"] - body(e),
+    ))
+
+    def fn(s, b, h, q, kv, *arrays):
+        e = dict(zip(names, arrays))
+        e.update(s=s, b=b, h=h, q=q, kv=kv)
+        return top(e)
+    return fn, tuple(ARRAYS[n] for n in names)
+
+
+# ---- evaluation ------------------------------------------------------------------------
+def _truth(fn, args, score=SCORE):
+    return fn(score, *IDX, *args)
+
+
+def _at(v, bb, hh):
+    """A value's words [B|1, H|1, s] at (bb, hh)."""
+    return v[bb if v.shape[0] > 1 else 0, hh if v.shape[1] > 1 else 0]
+
+
+def _tiles(layout, x, r, c):
+    """(x, q, kv, row tiles, column tiles) as the kernels see one (b, h) tile.
+    "ref": q [S_Q, 1], kv [1, S_KV] with full value tiles (block_sparse.reference);
+    "narrow": the same with [S_Q, 1] / [1, S_KV] value tiles; "tile": 2-D tiles with q
+    along the rows (forward, dq); "tile_t": q along the columns (the key-major dk/dv)."""
+    if layout in ("ref", "narrow"):
+        q, kv = jnp.arange(S_Q)[:, None], jnp.arange(S_KV)[None, :]
+        if layout == "narrow":
+            return x, q, kv, [v[:, None] for v in r], [v[None, :] for v in c]
+        full = lambda v: jnp.broadcast_to(v, (S_Q, S_KV))  # noqa: E731
+        return x, q, kv, [full(v[:, None]) for v in r], [full(v[None, :]) for v in c]
+    shape = (S_Q, S_KV) if layout == "tile" else (S_KV, S_Q)
+    qa, ka = (0, 1) if layout == "tile" else (1, 0)
+    tile = lambda v, axis: jax.lax.broadcast_in_dim(v, shape, (axis,))  # noqa: E731
+    return (x if layout == "tile" else x.T, jax.lax.broadcasted_iota(jnp.int32, shape, qa),
+            jax.lax.broadcasted_iota(jnp.int32, shape, ka), [tile(v, qa) for v in r],
+            [tile(v, ka) for v in c])
+
+
+def _q_major(layout, t):
+    return t.T if layout == "tile_t" else t
+
+
+def _kernel_side(split, rows, cols, layout, score=SCORE):
+    """[B, H, S_Q, S_KV] from the split's tile function, b and h scalars inside."""
+    def one(bb, hh):
+        x, q, kv, rt, ct = _tiles(layout, score[bb, hh], [_at(v, bb, hh) for v in rows],
+                                  [_at(v, bb, hh) for v in cols])
+        return _q_major(layout, jnp.broadcast_to(split(x, bb, hh, q, kv, rt, ct), x.shape))
+    return jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(B), jnp.arange(H))
+
+
+def _check_values(split, args):
+    rows, cols = split.values(args)
+    assert (len(rows), len(cols)) == (split.n_rows, split.n_cols)
+    assert tuple(map(len, split.floats)) == (split.n_rows, split.n_cols)
+    for v, n in [(v, S_Q) for v in rows] + [(v, S_KV) for v in cols]:
+        assert v.dtype == F32 and v.ndim == 3, (v.dtype, v.shape)
+        assert v.shape[0] in (1, B) and v.shape[1] in (1, H) and v.shape[2] == n, v.shape
+    return rows, cols
+
+
+def _check_forward(seed, layouts):
+    fn, args = _program(seed)
+    split = kernel_score.split(fn, _specs(args), B, H, S_Q, S_KV)  # must not raise
+    assert split is not None, "the program reads an array: it must split"
+    assert hoisting.reason(fn, _specs(args), B, H, S_Q, S_KV, hoisting.SCORE) is None
+    rows, cols = _check_values(split, args)
+    # kernel_score's own form: the same split, the values stacked per side
+    ks = kernel_score.kernel_score(fn, args, B, H, S_Q, S_KV)
+    assert ks.fn.call is split and (ks.fn.q_floats, ks.fn.kv_floats) == split.floats
+    for stacked, values in ((ks.q_values, rows), (ks.kv_values, cols)):
+        assert (stacked is None) == (not values)
+        for i, v in enumerate(values):
+            np.testing.assert_array_equal(
+                np.asarray(stacked[:, :, i]).view(np.int32),
+                np.broadcast_to(np.asarray(v), stacked[:, :, i].shape).view(np.int32))
+    want = np.broadcast_to(np.asarray(_truth(fn, args), np.float32), (B, H, S_Q, S_KV))
+    assert np.isfinite(want).all()
+    for layout in layouts:
+        got = np.asarray(_kernel_side(split, rows, cols, layout), np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6, err_msg=layout)
+    return split
+
+
+@pytest.mark.parametrize("first", range(0, N_PROGRAMS, 50))
+def test_random_score_mods_match(first):
+    for seed in range(first, first + 50):
+        layouts = ("tile", "tile_t", ("ref", "narrow")[seed % 2])
+        try:
+            _check_forward(seed, layouts)
+        except (AssertionError, Unsupported) as e:
+            raise AssertionError(f"seed {seed}: {type(e).__name__}: {e}") from None
+
+
+def test_the_generator_covers_the_cases():
+    """The programs hoist values of every kind (rows, columns, per (b, h); floats and
+    integers; with and without the head), or the fuzzing proves little."""
+    seen = set()
+    for seed in range(0, N_PROGRAMS, 3):
+        fn, args = _program(seed)
+        split = kernel_score.split(fn, _specs(args), B, H, S_Q, S_KV)
+        rows, cols = split.values(args)
+        for side, values, floats in (("row", rows, split.floats[0]),
+                                     ("col", cols, split.floats[1])):
+            for v, f in zip(values, floats):
+                seen.add((side, "float" if f else "int"))
+                seen.add((side, "heads" if v.shape[1] > 1 else "no heads"))
+        seen.add("by position" if split.by_position else "per (b, h) only")
+    assert seen == {("row", "float"), ("row", "int"), ("col", "float"), ("col", "int"),
+                    ("row", "heads"), ("row", "no heads"), ("col", "heads"),
+                    ("col", "no heads"), "by position", "per (b, h) only"}, seen
+
+
+# ---- gradients ---------------------------------------------------------------------------
+def _pullbacks(split, rows, cols, layout, sides, g, score=SCORE):
+    """(y, dx [B, H, S_Q, S_KV], [per float row value: its gradient [B, H, S_Q]], [per
+    float column value: [B, H, S_KV]]) from `kernel_score.apply` on each (b, h) tile,
+    the value gradients summed over the tile's other axis as the kernels do."""
+    score_fn = kernel_score.ScoreFn(split, *split.floats)
+    q_axis = 0 if layout in ("tile", "ref", "narrow") else 1
+
+    def one(bb, hh):
+        x, q, kv, rt, ct = _tiles(layout, score[bb, hh], [_at(v, bb, hh) for v in rows],
+                                  [_at(v, bb, hh) for v in cols])
+        y, pull = kernel_score.apply(score_fn, x, bb, hh, q, kv, rt, ct, with_grad=True,
+                                     sides=sides)
+        gt = g[bb, hh] if layout != "tile_t" else g[bb, hh].T
+        dx, dq, dk = pull(gt)
+        return (_q_major(layout, y), _q_major(layout, dx), [t.sum(1 - q_axis) for t in dq],
+                [t.sum(q_axis) for t in dk])
+    return jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(B), jnp.arange(H))
+
+
+def _cotangents(values, floats, grads):
+    """Per value: its gradient summed to the value's [B|1, H|1, s] (zeros for integers)."""
+    grads, out = iter(grads), []
+    for v, f in zip(values, floats):
+        if not f:
+            out.append(jnp.zeros_like(v))
+            continue
+        d = next(grads)
+        out.append(d.sum(axis=tuple(a for a in (0, 1) if v.shape[a] == 1), keepdims=True))
+    return out
+
+
+def _rel(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-6)
+
+
+def _grad_seeds():
+    return [s for s in range(N_PROGRAMS) if s % 15 < 4][:N_GRAD]
+
+
+def _check_gradients(seed):
+    fn, args = _program(seed)
+    split = kernel_score.split(fn, _specs(args), B, H, S_Q, S_KV)
+    rows, cols = split.values(args)
+    g = jax.random.normal(jax.random.key(seed), (B, H, S_Q, S_KV), F32)
+    # float32 args are differentiated; integer, bool (and the bfloat16 table) held fixed
+    diff = [i for i, a in enumerate(args) if jnp.result_type(a) == F32]
+
+    def with_floats(fargs):
+        full = list(args)
+        for i, a in zip(diff, fargs):
+            full[i] = a
+        return full
+
+    def loss(s, *fargs):
+        return jnp.sum(g * jnp.broadcast_to(fn(s, *IDX, *with_floats(fargs)), g.shape))
+    want = jax.grad(loss, argnums=tuple(range(1 + len(diff))))(SCORE, *[args[i] for i in diff])
+    want_y = np.broadcast_to(np.asarray(_truth(fn, args), np.float32), g.shape)
+
+    # as the kernels: dq's tile (q along rows) owns the row values, dk/dv's key-major tile
+    # the column values; and once with both sides on the reference's tile
+    y1, dx1, dq1, dk1 = _pullbacks(split, rows, cols, "tile", ("q",), g)
+    y2, dx2, dq2, dk2 = _pullbacks(split, rows, cols, "tile_t", ("kv",), g)
+    y3, dx3, dq3, dk3 = _pullbacks(split, rows, cols, ("ref", "narrow")[seed % 2],
+                                   ("q", "kv"), g)
+    assert not dk1 and not dq2, "a kernel got gradients for the side it does not own"
+    assert len(dq3) == sum(split.floats[0]) and len(dk3) == sum(split.floats[1])
+    for y, dx in ((y1, dx1), (y2, dx2), (y3, dx3)):
+        np.testing.assert_allclose(np.asarray(y), want_y, rtol=2e-6, atol=2e-6)
+        assert _rel(dx, want[0]) < 1e-5, ("dx", _rel(dx, want[0]))
+    for a, b_ in zip(dq1 + dk2, dq3 + dk3):
+        assert _rel(a, b_) < 1e-5, ("the value gradients by side and both", _rel(a, b_))
+
+    def values(*fargs):
+        return split.values(with_floats(fargs))
+    _, vjp = jax.vjp(values, *[args[i] for i in diff])
+    got = vjp((_cotangents(rows, split.floats[0], dq1), _cotangents(cols, split.floats[1], dk2)))
+    for i, gi, wi in zip(diff, got, want[1:]):
+        assert np.isfinite(np.asarray(wi)).all()
+        # float32 sums in another order: relative to the gradient's norm
+        assert _rel(gi, wi) < 2e-5, (f"the gradient of arg {i}", _rel(gi, wi),
+                                     np.asarray(gi), np.asarray(wi))
+    return len(diff)
+
+
+@pytest.mark.parametrize("part", range(2))
+def test_random_score_mod_gradients_match(part):
+    seeds = _grad_seeds()[part::2]
+    n_float = 0
+    for seed in seeds:
+        try:
+            n_float += _check_gradients(seed) > 0
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {e}") from None
+    assert n_float >= len(seeds) // 2  # most of them differentiate an array
+
+
+# ---- refusals ----------------------------------------------------------------------------
+BOTH, BY_SCORE, NOT_ELEMENTWISE = ("depends on both q_idx and kv_idx", "depends on the score",
+                                   "is no elementwise operation")
+
+
+def _bad_term(rng):
+    """(term reading the extra [H, L] table t at an index no kernel can hoist, the rule)."""
+    ints = ("doc", "pos")
+    r, c = _side_int(rng, "q", set(ints)), _side_int(rng, "kv", set(ints))
+    w = float(rng.uniform(0.1, 1.0))
+    return _pick(rng, (
+        (lambda e: e["t"][e["h"], jnp.abs(e["q"] - e["kv"]) % L], BOTH),
+        (lambda e: e["t"][e["h"], (e["q"] * e["kv"]) % L], BOTH),
+        (lambda e: e["t"][e["h"], jnp.minimum(jnp.abs(e["q"] - e["kv"]), L - 1)] * 0.0, BOTH),
+        (lambda e: e["t"][e["h"], (e["doc"][e["b"], e["q"]] + e["doc"][e["b"], e["kv"]]) % L],
+         BOTH),
+        (lambda e: e["t"][e["h"], jnp.abs(r(e) - c(e)) % L], BOTH),
+        (lambda e: e["t"][e["h"], (e["s"] > 0).astype(jnp.int32)], BY_SCORE),
+        (lambda e: e["t"][e["h"], jnp.clip((e["s"] * w).astype(jnp.int32), 0, L - 1)],
+         BY_SCORE),
+        (lambda e: e["t"][e["h"], jnp.where(e["s"] > 0, e["q"], e["kv"])], BY_SCORE),
+        (lambda e: -jnp.max(e["s"], axis=-1, keepdims=True), NOT_ELEMENTWISE),
+    ))
+
+
+def test_random_reads_with_no_in_kernel_form_are_refused():
+    rules = set()
+    for seed in range(30):
+        fn, args = _program(seed)
+        term, why = _bad_term(np.random.default_rng(10_000 + seed))
+        rules.add(why)
+        extra = (ARRAYS["doc"], ARRAYS["pos"], ARRAYS["th"])
+
+        def mixed(s, b, h, q, kv, *a, fn=fn, term=term):
+            *own, doc, pos, t = a
+            return fn(s, b, h, q, kv, *own) + term(dict(s=s, b=b, h=h, q=q, kv=kv, doc=doc,
+                                                        pos=pos, t=t))
+        specs = _specs(args + extra)
+        with pytest.raises(Unsupported, match=why) as info:
+            kernel_score.split(mixed, specs, B, H, S_Q, S_KV)
+        assert "score_mod that reads arrays" in str(info.value), (seed, str(info.value))
+        assert hoisting.reason(mixed, specs, B, H, S_Q, S_KV, hoisting.SCORE) == str(info.value)
+    assert rules == {BOTH, BY_SCORE, NOT_ELEMENTWISE}
