@@ -1,6 +1,7 @@
 """The one differentiable, partitionable call around every native backend.
 
-A native backend (cudnn, small_seq, ck, flash) provides two per-device functions:
+A native backend (cudnn, small_seq, ck, flash: FFI calls; block_sparse: Pallas Mosaic
+GPU kernels) provides two per-device functions:
 
 * ``forward(config, inputs, training) -> (out, lse | None)``, ``lse`` fp32
   ``[b, h_q, s_q]`` when training;
@@ -432,10 +433,14 @@ class NativeBackend:
     name: str
 
     def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
+        self.require(config)
+        return attention(self.name, config, inputs)[0]
+
+    def require(self, config: AttnConfig, context: str = "") -> None:
+        """ValueError with the backend's reason (and `context`) when it cannot run `config`."""
         why = self.supports(config)
         if why is not None:
-            raise ValueError(f"{self.name} backend cannot run {config.short()}: {why}")
-        return attention(self.name, config, inputs)[0]
+            raise ValueError(f"{self.name} backend cannot run {config.short()}: {why}{context}")
 
 
 # ---- FP8 kernels (fusedattn.fp8 differentiates them) ------------------------------------

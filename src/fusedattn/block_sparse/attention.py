@@ -4,6 +4,8 @@ On Hopper GPUs the Mosaic GPU kernels (`kernel_fwd`, `kernel_bwd`) run it;
 elsewhere (and with ``implementation="reference"``) the same list walks in plain
 JAX (`reference`). Both save the base-2 log-sum-exp for the backward, which
 walks the query-major lists for dq and the key-major lists for dk / dv.
+`block_sparse_attention_backward` runs that backward alone, from a forward's
+output and log-sum-exp (the fusedattn backend's two partitioned steps).
 """
 from __future__ import annotations
 
@@ -60,12 +62,35 @@ def on_hopper() -> bool:
     return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
+def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMap, *,
+                                    scale=None, score_mod=None, implementation=None):
+    """(dq, dk, dv) of `block_sparse_attention` at cotangent `d_out`, from the forward's
+    `out` and natural `lse` (`block_sparse_attention_with_lse`): the backward kernels
+    alone, for a caller that runs the forward and the backward as steps of its own."""
+    s_q, s_kv = q.shape[1], k.shape[1]
+    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, block_map, scale, implementation)
+    whole = q.shape[1]
+    # (padded rows see no key: lse -inf, output 0, as the forward gives them)
+    lse2 = jnp.pad(lse.astype(jnp.float32) / math.log(2.0), ((0, 0), (0, 0), (0, whole - s_q)),
+                   constant_values=-jnp.inf)
+    out, d_out = (_pad_tokens(x, whole) for x in (out, d_out))
+    dq, dk, dv, _ = _bwd(fn, scale, score_mod, impl, (q, k, v, ints, out, lse2), (d_out, None))
+    return dq[:, :s_q], dk[:, :s_kv], dv[:, :s_kv]
+
+
 def _call(q, k, v, bm, scale, score_mod, implementation):
+    s_q = q.shape[1]
+    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation)
+    out, lse2 = _attention(fn, scale, score_mod, impl, q, k, v, ints)
+    return out[:, :s_q], lse2[..., :s_q]
+
+
+def _operands(q, k, v, bm, scale, implementation):
+    """(mask fn, scale, implementation, padded (q, k, v), the map's int arrays) of a call."""
     _check(q, k, v, bm)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = choose_implementation(q, implementation)
     km = _padded(kernel_mask(bm.element), bm.s_q, bm.s_kv)
-    s_q, s_kv = q.shape[1], k.shape[1]
     # Lengths past a block boundary: the arrays padded to whole blocks (the map already
     # has the blocks; the key padding is masked in the last block, which is never full,
     # and the padded rows' outputs are cut off, so their cotangent is 0).
@@ -74,9 +99,8 @@ def _call(q, k, v, bm, scale, score_mod, implementation):
                       (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
     bwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
-    ints = (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays, km.dense)
-    out, lse2 = _attention(km.fn, scale, score_mod, impl, q, k, v, ints)
-    return out[:, :s_q], lse2[..., :s_q]
+    return km.fn, scale, impl, (q, k, v), (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays,
+                                           km.dense)
 
 
 def _whole(s: int) -> int:
