@@ -1,6 +1,8 @@
 """Block-sparse attention (fusedattn.block_sparse.block_sparse_attention, Mosaic GPU
 kernels) on one GPU against fusedattn's plain causal and torch flex_attention,
-forward and forward+backward, b4 s4096 h16 d128 bf16.
+forward and forward+backward, b4 s4096 h16 d128 bf16. Two rows compose a score_mod
+that reads arrays (per-head ALiBi slopes, a learned per-document scale) with a mask:
+beside the same mask's row they show what the score_mod costs.
 
 TFLOP/s count visible pairs only (4 * d flops per pair forward, 3.5x that for
 forward+backward), for every row alike, so rows compare as work per second. Our
@@ -40,7 +42,7 @@ def _doc_ids():
 
 def _visible_pairs(name):
     i, j = np.arange(S)[:, None], np.arange(S)[None, :]
-    if name == "sliding_window":
+    if name.startswith("sliding_window"):
         m = (j <= i) & (i - j < WINDOW)
     elif name == "prefix_lm":
         m = (j <= i) | (j < PREFIX)
@@ -70,8 +72,30 @@ def cases():
         import fusedattn  # noqa: PLC0415 - imported where the drop-in is timed
         return fusedattn.dot_product_attention(q, k, v, mask=dense)
 
+    # score_mods reading arrays, composed with the masks above (compare with their rows)
+    def window_alibi(q, k, v, extra):
+        bm = bs.block_map(lambda b, h, i, j: (j <= i) & (i - j < WINDOW), s_q=S, s_kv=S)
+        return block_sparse_attention(q, k, v, bm, score_mod=_alibi, score_mod_args=(SLOPES,))
+
+    def documents_scale(q, k, v, ids):
+        return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None),
+                                      score_mod=_doc_scale, score_mod_args=(ids, DOC_SCALE))
+
     return {"sliding_window": window, "prefix_lm": prefix, "documents": documents,
-            "documents_dense_mask": documents_dense}
+            "documents_dense_mask": documents_dense, "sliding_window+alibi": window_alibi,
+            "documents+document_scale": documents_scale}
+
+
+SLOPES = jnp.asarray([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], jnp.float32)
+DOC_SCALE = jnp.linspace(0.8, 1.2, len(DOCS), dtype=jnp.float32)
+
+
+def _alibi(s, b, h, i, j, slopes):          # per-head slopes: a (batch, head) value
+    return s + slopes[h] * (j - i).astype(jnp.float32)
+
+
+def _doc_scale(s, b, h, i, j, ids, scale):  # a learned scale per document: a row value
+    return s * scale[ids[b, i]]
 
 
 def plain_causal():
@@ -101,17 +125,25 @@ def _step(fn, mode, q, k, v, do, extra):
 TORCH_CASES = r'''
 W, P = %d, %d
 ids = torch.tensor(%s, device="cuda", dtype=torch.int32)
+slopes = torch.tensor(%s, device="cuda", dtype=torch.float32)
+doc_scale = torch.tensor(%s, device="cuda", dtype=torch.float32)
 cases = {
   "sliding_window": (None, lambda b, h, i, j: (j <= i) & (i - j < W)),
   "prefix_lm": (None, lambda b, h, i, j: (j <= i) | (j < P)),
   "documents": (None, lambda b, h, i, j: ids[i] == ids[j]),
   "causal": (None, lambda b, h, i, j: j <= i),
+  "sliding_window+alibi": (lambda s, b, h, i, j: s + slopes[h] * (j - i),
+                           lambda b, h, i, j: (j <= i) & (i - j < W)),
+  "documents+document_scale": (lambda s, b, h, i, j: s * doc_scale[ids[i]],
+                               lambda b, h, i, j: ids[i] == ids[j]),
 }
 '''
 
 
 def torch_times() -> dict:
-    cases = TORCH_CASES % (WINDOW, PREFIX, json.dumps(_doc_ids()[0].tolist()))
+    cases = TORCH_CASES % (WINDOW, PREFIX, json.dumps(_doc_ids()[0].tolist()),
+                           json.dumps(np.asarray(SLOPES).tolist()),
+                           json.dumps(np.asarray(DOC_SCALE).tolist()))
     return torch_flex.times(B, S, H, D, cases)
 
 
@@ -134,7 +166,7 @@ def main():
     causal_fn, causal_name = plain_causal()
     meta["plain_causal"] = causal_name
     rows = []
-    extras = {"documents": ids, "documents_dense_mask": dense}
+    extras = {"documents": ids, "documents_dense_mask": dense, "documents+document_scale": ids}
     for name, fn in list(cases().items()) + [("causal", causal_fn)]:
         pairs = _visible_pairs(name)
         impls = {"fusedattn": fn}

@@ -22,6 +22,7 @@ from fusedattn.backends import block_sparse as backend
 from fusedattn.inputs import mask_as_bias
 from fusedattn.validation import build_call
 from support import oracle
+from support import block_sparse_cases as bs_cases
 from support.block_sparse_cases import doc_ids, rel_error
 
 B, S, H, H_KV, D = 2, 256, 4, 2, 64
@@ -119,6 +120,48 @@ def test_documents_and_causal_through_fused_attn_with_mqa(hopper):
     _check(got, _expected(q, k, v, do, visible, causal=True)[:4])
 
 
+# ---- score_mods reading arrays (the documents mask above) ----------------------------------------------------------
+def doc_scale(s, b, h, i, j, doc, scale):
+    return s * scale[doc[b, i]]
+
+
+def same_doc_of_two(b, h, i, j, doc, _table):
+    return doc[b, i] == doc[b, j]
+
+
+@pytest.mark.parametrize("mask_mod", [same_doc_of_two, None], ids=["documents", "causal-only"])
+def test_score_mod_reading_a_learned_table_runs_in_the_kernels(hopper, mask_mod):
+    """A per-document scale (its table learned: the gradient reaches it) with or without
+    a mask_mod: cuDNN cannot read by position, so block_sparse runs it."""
+    q, k, v, do = _qkvo()
+    doc = _docs()
+    table = jnp.linspace(0.5, 1.5, int(doc.max()) + 1, dtype=jnp.float32)
+    options = dict(mask="causal", score_mod=doc_scale, mask_mod=mask_mod)
+    text = _route(fusedattn.explain(q, k, v, score_mod_args=(doc, table), **options), hopper)
+    if hopper and mask_mod is None:
+        assert "runs the causal mask" not in text
+    call = jax.jit(lambda q, k, v, t: fusedattn.fused_attn(
+        q, k, v, score_mod_args=(doc, t), **options))
+    out, vjp = jax.vjp(call, q, k, v, table)
+    got = vjp(do)
+    same = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
+    visible = np.tril(np.ones((S, S), bool)) & (same if mask_mod is not None else True)
+    ref_out, _, ref = bs_cases.oracle(q, k, v, np.broadcast_to(visible, (B, H, S, S)), D ** -0.5,
+                                      doc_scale, do, args=(doc, table))
+    _check((out,) + got[:3], (ref_out,) + tuple(ref[:3]))
+    assert rel_error(np.asarray(got[3]), ref[4]) < TOL_GRAD
+
+
+def test_a_score_mod_reading_per_head_values_alone_stays_with_cudnn(hopper):
+    """ALiBi slopes read by the head: cuDNN's graph takes them, so block_sparse leaves
+    a call without a mask it must run to cudnn."""
+    q, k, v, _ = _qkvo()
+    alibi = lambda s, b, h, i, j, sl: s + sl[h] * (j - i).astype(s.dtype)  # noqa: E731
+    plan = fusedattn.explain(q, k, v, mask="causal", score_mod=alibi,
+                             score_mod_args=(jnp.linspace(0.1, 0.5, H),))
+    assert "reading arrays by position" in dict(plan.reasons)["block_sparse"]
+
+
 def test_a_score_mod_that_reads_no_array_runs_in_the_kernel(hopper):
     q, k, v, do = _qkvo()
     doc = _docs()
@@ -198,6 +241,105 @@ def test_fully_masked_row_and_causal_through_dot_product_attention(hopper):
                                want[4].transpose(0, 2, 1)[seen], atol=5e-2)
 
 
+def _empty_rows_and_padding():
+    """A random mask with rows that see nothing (one row; whole blocks of rows), keys
+    padded away from some rows' only visible keys, and padded query rows."""
+    mask = np.random.default_rng(4).random((B, 1, S, S)) < 0.3
+    mask[:, :, 5] = False
+    mask[1, :, 200:] = False
+    mask[0, :, 150:170] = False
+    mask[0, :, 150:170, 100:110] = True          # hidden by kv length 100 in batch 0
+    lengths = dict(query_seq_lengths=jnp.asarray([S, 180], jnp.int32),
+                   key_value_seq_lengths=jnp.asarray([100, S], jnp.int32))
+    return mask, lengths
+
+
+def _jax_nn(q, k, v, **options):
+    """jax.nn's own XLA path, k / v repeated over each group of query heads."""
+    group = q.shape[2] // k.shape[2]
+    return jax.nn.dot_product_attention(q, jnp.repeat(k, group, 2), jnp.repeat(v, group, 2),
+                                        implementation="xla", **options)
+
+
+def test_empty_rows_padding_and_causal_against_jax_nn(hopper):
+    """Rows that see no key (the mask, kv padding, is_causal), padded query rows: output
+    and gradients as jax.nn's own XLA path, on both routes (padding takes block_sparse)."""
+    q, k, v, do = _qkvo()
+    mask, lengths = _empty_rows_and_padding()
+    _route(fusedattn.jax_nn.explain(q, k, v, mask=mask, is_causal=True, **lengths), hopper)
+
+    def call(fn):
+        return lambda q, k, v, m, ql, kvl: fn(q, k, v, mask=m, is_causal=True,
+                                              query_seq_lengths=ql, key_value_seq_lengths=kvl)
+    extra = (jnp.asarray(mask), *lengths.values())
+    got = _run(call(fusedattn.dot_product_attention), q, k, v, do, *extra, jit=True)
+    # jax.nn in float32 (its bf16 result is as far from the truth as ours)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
+    want = _run(call(_jax_nn), *f32, *extra)
+    _check(got, [np.asarray(x, np.float64) for x in want])
+    assert np.all(np.asarray(got[0])[1, 180:] == 0)          # padded query rows
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_residual_of_rows_that_see_no_key_is_jax_nns(hopper, dtype):
+    """return_residual: a row that sees no key (padded query rows too) gets jax.nn's
+    log-sum-exp on both routes, though block_sparse's kernels give -inf there and the
+    mask as a bias a value shifted by its constant (float16: -inf, as jax.nn's)."""
+    q, k, v, _ = (x.astype(dtype) for x in _qkvo())
+    mask, lengths = _empty_rows_and_padding()
+    options = dict(mask=mask, is_causal=True, **lengths)
+    _route(fusedattn.jax_nn.explain(q, k, v, **options), hopper)
+    out, lse = jax.jit(lambda q, k, v: fusedattn.dot_product_attention(
+        q, k, v, return_residual=True, **options))(q, k, v)
+    want_out, want = _jax_nn(q, k, v, return_residual=True, **options)
+    assert lse.dtype == want.dtype == dtype
+    lse, want = np.asarray(lse, np.float32), np.asarray(want, np.float32)
+    unseen = want < -1e30 if dtype == jnp.bfloat16 else want == -np.inf
+    assert unseen[0, 5].all() and unseen[1, 180:].all() and unseen[0, 150:170].all()
+    np.testing.assert_array_equal(lse[unseen], want[unseen])
+    np.testing.assert_allclose(lse[~unseen], want[~unseen], atol=5e-2)
+    assert rel_error(np.asarray(out, np.float32), np.asarray(want_out, np.float64)) < TOL_OUT
+
+
+def _reductions_over_pairs(fn, *args, t=S, s=S):
+    """The reduce_or equations of fn's jaxpr (sub-jaxprs included) over the key axis of
+    a boolean [.., T, S] operand: the S^2 pass that finds rows seeing no key."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "reduce_or":
+                aval = eqn.invars[0].aval
+                if (aval.dtype == jnp.bool_ and aval.shape[-2:] == (t, s)
+                        and aval.ndim - 1 in eqn.params["axes"]):
+                    found.append(eqn)
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+                    elif hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                        walk(sub.jaxpr)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("return_residual", [False, True])
+def test_block_sparse_finds_rows_seeing_nothing_without_an_s2_pass(hopper, return_residual):
+    """On block_sparse the rows that see no key come from the kernels' lse (-inf there);
+    the bias route keeps its pass over the mask (which shows the check finds one)."""
+    q, k, v, do = _qkvo()
+    mask, lengths = _empty_rows_and_padding()
+
+    def loss(q, k, v, m):
+        out = fusedattn.dot_product_attention(q, k, v, mask=m, is_causal=True,
+                                              return_residual=return_residual, **lengths)
+        out = out[0] if return_residual else out
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+    passes = _reductions_over_pairs(jax.value_and_grad(loss, argnums=(0, 1, 2)), q, k, v,
+                                    jnp.asarray(mask))
+    assert bool(passes) != hopper, passes
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["plain", "jit"])
 def test_float_document_mask_through_flax_attention_fn(hopper, jit):
     """Flax's make_attention_mask gives float masks (non-zero: attend), [B, 1, T, S]."""
@@ -262,10 +404,10 @@ def test_mask_with_a_bias_runs_as_a_bias(hopper):
 def test_refusals_name_the_reason(hopper):
     q, k, v, _ = _qkvo()
     doc = _docs()
-    reads_table = lambda s, b, h, i, j, t: s + t[b, i].astype(s.dtype)  # noqa: E731
-    plan = fusedattn.explain(q, k, v, score_mod=reads_table, mask_mod=same_doc,
+    by_distance = lambda s, b, h, i, j, t: s + t[b, jnp.abs(i - j) % 8]  # noqa: E731
+    plan = fusedattn.explain(q, k, v, score_mod=by_distance, mask_mod=same_doc,
                              score_mod_args=(doc,))
-    assert "score_mod reading arrays" in dict(plan.reasons)["block_sparse"]
+    assert "depends on both q_idx and kv_idx" in dict(plan.reasons)["block_sparse"]
     by_head = lambda b, h, i, j, t: t[h, i] == t[h, j]  # noqa: E731
     table = jnp.zeros((H, S), jnp.int32)
     plan = fusedattn.explain(q, k, v, mask_mod=by_head, score_mod_args=(table,))

@@ -181,19 +181,29 @@ def test_monkeypatched_jax_nn_float64_does_not_recurse(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_rows_that_see_no_key_average_all_values(dtype, causal):
     """S1 / S2: a row the boolean mask hides entirely, in every dtype and with is_causal,
-    and rows past a zero key length or a window, average all values as in jax.nn."""
+    and rows past a zero key length or a window, average all values as in jax.nn, and
+    their residual is jax.nn's."""
     keys = random.split(random.PRNGKey(2), 3)
     q, k, v = (random.normal(kk, (2, 8, 4, 16), dtype) for kk in keys)
     mask = jnp.ones((2, 1, 8, 8), jnp.bool_).at[:, :, 3].set(False).at[1, :, :, :5].set(False)
     tol = F32_TOL if dtype == jnp.float32 else .01
-    _close(fusedattn.dot_product_attention(q, k, v, mask=mask, is_causal=causal),
-           JAX_NN(q, k, v, mask=mask, is_causal=causal), tol)
     lengths = dict(query_seq_lengths=jnp.array([8, 6], jnp.int32),
                    key_value_seq_lengths=jnp.array([0, 5], jnp.int32))
-    _close(fusedattn.dot_product_attention(q, k, v, is_causal=causal, **lengths),
-           JAX_NN(q, k, v, is_causal=causal, **lengths), tol)
-    _close(fusedattn.dot_product_attention(q, k[:, :3], v[:, :3], local_window_size=(1, 0)),
-           JAX_NN(q, k[:, :3], v[:, :3], local_window_size=(1, 0)), tol)
+    for args, options in (((q, k, v), dict(mask=mask, is_causal=causal)),
+                          ((q, k, v), dict(is_causal=causal, **lengths)),
+                          ((q, k[:, :3], v[:, :3]), dict(local_window_size=(1, 0)))):
+        _close(fusedattn.dot_product_attention(*args, **options), JAX_NN(*args, **options),
+               tol)
+        # the residual too: jax.nn's log-sum-exp where a row sees no key (a padded
+        # query row included), however the backend marks such rows
+        (_, lse), (_, want) = (fn(*args, return_residual=True, **options)
+                               for fn in (fusedattn.dot_product_attention, JAX_NN))
+        assert lse.dtype == want.dtype
+        unseen = np.asarray(want, np.float32) < -1e30
+        assert unseen.any()
+        np.testing.assert_array_equal(np.asarray(lse)[unseen], np.asarray(want)[unseen])
+        _close(np.asarray(lse, np.float32)[~unseen], np.asarray(want, np.float32)[~unseen],
+               tol)
 
 
 def test_rank_below_4_and_empty_batch_as_jax_nn():

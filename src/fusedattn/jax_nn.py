@@ -19,7 +19,9 @@ Switching a model over is changing one import. The arguments map onto
   ``"xla"`` / ``"cudnn"`` or any fusedattn backend name forces one.
 
 A query row that sees no key at all (its mask, causal / window / key padding
-combined hide every key) averages all values, as jax.nn does, in every dtype.
+combined hide every key) averages all values, as jax.nn does, in every dtype; its
+``return_residual`` log-sum-exp, and a padded query row's, is jax.nn's (-0.7 x
+float32's largest value, in the inputs' dtype: -inf in float16) on every backend.
 Inputs of rank below 4 get leading axes (jax.nn's rule); an empty batch gives an
 empty result. Dtypes no fusedattn backend computes in (float64) run jax.nn's own
 XLA path (captured when fusedattn is imported, so a monkeypatched jax.nn does not
@@ -162,25 +164,51 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
                      backend="auto", need_lse=False):
     """The core both drop-ins share: q ``[B, T, N, H]``, k / v ``[B, S, K, H]`` in a
     fusedattn dtype, bias and a boolean mask broadcastable to ``[B, N, T, S]``, with
-    jax.nn's semantics (rows that see no key average all values)."""
+    jax.nn's semantics (rows that see no key average all values; with `need_lse`, their
+    log-sum-exp is jax.nn's, `_lse_seeing_nothing`)."""
     plan, inputs, mask4 = _planned(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
                                    window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
                                    scale=scale, dropout=dropout, rng=rng, backend=backend)
-    if not need_lse:
-        out = plan.run(inputs)
-    else:
-        out, lse = plan.run_with_lse(inputs)
-        lse = jax.lax.stop_gradient(jnp.swapaxes(lse, 1, 2).astype(k.dtype))  # [B, T, N]
     b, t, n, _ = q.shape
-    empty = _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t,
-                                 k.shape[1])
+    s = k.shape[1]
+    # block_sparse's lse is -inf exactly on the rows that see no key, at no extra cost:
+    # those rows come from it instead of an S^2 pass over the mask.
+    lse_marks_unseen = plan.require() == "block_sparse"
+    lse = None
+    if need_lse or lse_marks_unseen:
+        out, lse = plan.run_with_lse(inputs)
+        lse = jax.lax.stop_gradient(lse)  # [B, N, T] fp32
+    else:
+        out = plan.run(inputs)
+    padded = None if q_lengths is None else (jnp.arange(t) >= q_lengths[:, None])[:, None]
+    if lse_marks_unseen:
+        unseen = jnp.isneginf(lse)
+        empty = unseen if padded is None else unseen & ~padded
+    else:
+        empty = _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t, s)
+        unseen = empty if padded is None else padded if empty is None else empty | padded
     if empty is not None:
         # Kernels give such a row 0 (a mask, or no key in range) or shift it by the bias
         # constant (a no-op for softmax); jax.nn gives every key the same weight.
         mean = jnp.repeat(v.astype(jnp.float32).mean(axis=1), n // k.shape[2], axis=1)
         out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], mean[:, None].astype(out.dtype),
                         out)
-    return (out, lse) if need_lse else out
+    if not need_lse:
+        return out
+    if unseen is not None:
+        # (padded query rows included: jax.nn's padding mask hides every key from them)
+        lse = jnp.where(unseen, _lse_seeing_nothing(s), lse)
+    return out, jnp.swapaxes(lse, 1, 2).astype(k.dtype)  # [B, T, N]
+
+
+def _lse_seeing_nothing(s: int):
+    """jax.nn's log-sum-exp of a row that sees no key, in float32 (the caller casts it to
+    the inputs' dtype, as jax.nn does: -inf in float16). jax.nn sets every hidden logit
+    to -0.7 x float32's largest value (logits are float32 for every fusedattn dtype),
+    whatever the bias, and takes the log-sum-exp of S such logits. Kernels give -inf
+    (block_sparse) or a value shifted by the bias (the mask as a bias) there."""
+    hidden = jnp.asarray(-0.7 * jnp.finfo(jnp.float32).max, jnp.float32)
+    return hidden + jnp.log(jnp.float32(s))
 
 
 def masked_plan(q, k, v, **options):

@@ -251,6 +251,10 @@ def describe(config: AttnConfig, mesh_shape: Mapping[str, int], split: Split,
                 grads.append("bias gradient (bias broadcast over a split axis)")
         if config.softmax == "learnable" and split.batch:
             grads.append("softmax_offset gradient (summed over batch shards)")
+        if backend == "block_sparse" and summed and any(
+                jax.numpy.issubdtype(dtype, jax.numpy.floating)
+                for _, dtype in config.score_mod_arg_specs):
+            grads.append("float score_mod_args' gradients (each shard's partial sum)")
         if config.sequence == "ragged" and split.batch:
             grads.append("packed k/v gradients (every token shard writes its rows)")
         lines.append("  collectives: none in the forward; "

@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from support.block_sparse_cases import FAMILIES, block_map, dense_visibility, oracle, rel_error
+from support.block_sparse_cases import (FAMILIES, SCORE_VALUE_MODS, block_map, dense_visibility,
+                                        doc_ids, oracle, rel_error, score_value_args)
+from fusedattn import block_sparse as bs
 from fusedattn.block_sparse.attention import (block_sparse_attention,
                                               block_sparse_attention_with_lse,
                                               choose_implementation)
@@ -133,12 +135,13 @@ def _doc_mask_mod(b, h, i, j, doc):
 
 
 @pytest.mark.parametrize("route", ["fused_attn, ids", "jax.nn drop-in, dense mask",
+                                   "jax.nn drop-in, dense mask and padding",
                                    "flax drop-in, make_causal_mask"])
 def test_dispatch_runs_maps_built_on_the_device(route):
     """Masks whose map is built on the device in every call take the block_sparse
     backend by themselves: a mask_mod reading an id array through fused_attn, a dense
-    document mask through the jax.nn drop-in, Flax's causal mask through attention_fn.
-    Forward and gradients against the float64 oracle."""
+    document mask through the jax.nn drop-in (with padding lengths too), Flax's causal
+    mask through attention_fn. Forward and gradients against the float64 oracle."""
     import fusedattn
     import fusedattn.flax
     import fusedattn.jax_nn
@@ -157,9 +160,15 @@ def test_dispatch_runs_maps_built_on_the_device(route):
         visible = np.asarray(ids[:, None, :, None] == ids[:, None, None, :])
     elif route.startswith("jax.nn"):
         dense = ids[:, None, :, None] == ids[:, None, None, :]
-        call = lambda q, k, v: fusedattn.dot_product_attention(q, k, v, mask=dense)
-        plan = fusedattn.jax_nn.explain(q, k, v, mask=dense)
+        lengths = {}
         visible = np.asarray(dense)
+        if route.endswith("padding"):  # every real row sees its own key; padded rows give 0
+            n = jnp.asarray([s, 250], jnp.int32)
+            lengths = dict(query_seq_lengths=n, key_value_seq_lengths=n)
+            real = np.arange(s)[None, :] < np.asarray(n)[:, None]
+            visible = visible & real[:, None, :, None] & real[:, None, None, :]
+        call = lambda q, k, v: fusedattn.dot_product_attention(q, k, v, mask=dense, **lengths)
+        plan = fusedattn.jax_nn.explain(q, k, v, mask=dense, **lengths)
     else:
         causal = nn.make_causal_mask(jnp.ones((B, s)), dtype=jnp.bool_)
         call = lambda q, k, v: fusedattn.flax.attention_fn(q, k, v, mask=causal)
@@ -173,3 +182,37 @@ def test_dispatch_runs_maps_built_on_the_device(route):
     assert rel_error(out, ref_out) < 2e-2, route
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert rel_error(g, r) < 4e-2, (route, name)
+
+
+@pytest.mark.parametrize("mask", ["causal", "documents"])
+@pytest.mark.parametrize("name", sorted(SCORE_VALUE_MODS))
+def test_score_mods_reading_arrays(name, mask):
+    """Values read per row, column or (batch, head) hoisted into the kernels, at a length
+    past a block boundary: output, dq, dk, dv and each float arg's gradient."""
+    s, h = 300, 4
+    q, k, v, do = _inputs(h, 2, 128, jnp.bfloat16, s=s)
+    if choose_implementation(q) != "mosaic":
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
+    docs = jnp.asarray(doc_ids(B, s, [70, 130, 100]))
+    args, mod = score_value_args(name, docs, h), SCORE_VALUE_MODS[name]
+    same = (lambda b, hh, i, j, doc: (doc[b, i] == doc[b, j]) & (j <= i)) if mask == "documents" \
+        else None
+    bm = bs.block_map(same, B, 1, s, s, args=(docs,) if same else (), mask="causal",
+                      block=(128, 128))
+    floats = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+    def loss(q, k, v, *fargs):
+        full = list(args)
+        for i, a in zip(floats, fargs):
+            full[i] = a
+        out = block_sparse_attention(q, k, v, bm, score_mod=mod, score_mod_args=tuple(full))
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+    grads, out = jax.jit(jax.grad(loss, argnums=tuple(range(3 + len(floats))), has_aux=True))(
+        q, k, v, *[args[i] for i in floats])
+    ref_out, _, ref = oracle(q, k, v, dense_visibility(bm, B, h, s), 128 ** -0.5, mod, do,
+                             args=args)
+    assert rel_error(out, ref_out) < 2e-2
+    for label, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert rel_error(g, r) < 4e-2, label
+    for g, i in zip(grads[3:], floats):
+        assert rel_error(g, ref[3 + i]) < 4e-2, f"the gradient of arg {i}"

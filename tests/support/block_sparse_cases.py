@@ -66,15 +66,21 @@ def dense_visibility(bm, b, h, s):
     return np.broadcast_to(np.asarray(bm.element_mask(bb, hh, ii, jj)), (b, h, s, s))
 
 
-def oracle(q, k, v, visible, scale, score_mod=None, d_out=None):
+def oracle(q, k, v, visible, scale, score_mod=None, d_out=None, args=()):
     """float64 (out [b, s, h, d], lse [b, h, s], grads or None) of masked attention;
-    rows with no visible key give 0 and lse -inf."""
+    rows with no visible key give 0 and lse -inf. ``score_mod(s, b, h, i, j, *args)``;
+    grads are dq, dk, dv, then one per floating arg (None for the others)."""
     with jax.enable_x64(True):
         q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
         g = q.shape[2] // k.shape[2]
         vis = jnp.asarray(visible)
+        floats = [i for i, a in enumerate(args) if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
+        f64 = [jnp.asarray(np.asarray(args[i], np.float64)) for i in floats]
 
-        def f(q64, k64, v64):
+        def f(q64, k64, v64, *fargs):
+            full = list(args)
+            for i, a in zip(floats, fargs):
+                full[i] = a
             kk, vv = jnp.repeat(k64, g, 2), jnp.repeat(v64, g, 2)
             s = jnp.einsum("bqhd,bkhd->bhqk", q64, kk) * scale
             if score_mod is not None:
@@ -82,7 +88,7 @@ def oracle(q, k, v, visible, scale, score_mod=None, d_out=None):
                 j = jnp.arange(s.shape[3])[None, :]
                 bb = jnp.arange(s.shape[0])[:, None, None, None]
                 hh = jnp.arange(s.shape[1])[None, :, None, None]
-                s = score_mod(s, bb, hh, i, j)
+                s = score_mod(s, bb, hh, i, j, *full)
             s = jnp.where(vis, s, -jnp.inf)
             m = jnp.max(s, -1, keepdims=True)
             m = jnp.where(jnp.isinf(m), 0.0, m)
@@ -92,13 +98,48 @@ def oracle(q, k, v, visible, scale, score_mod=None, d_out=None):
             lse = jnp.where(l[..., 0] == 0, -jnp.inf, jnp.log(jnp.where(l == 0, 1.0, l))[..., 0] + m[..., 0])
             return out, lse
 
-        (out, lse), vjp = jax.vjp(f, q64, k64, v64)
+        (out, lse), vjp = jax.vjp(f, q64, k64, v64, *f64)
         grads = None
         if d_out is not None:
-            grads = vjp((jnp.asarray(np.asarray(d_out, np.float64)), jnp.zeros_like(lse)))
-        return np.asarray(out), np.asarray(lse), None if grads is None else [np.asarray(x) for x in grads]
+            got = iter(vjp((jnp.asarray(np.asarray(d_out, np.float64)), jnp.zeros_like(lse))))
+            grads = [np.asarray(next(got)) for _ in range(3)]
+            grads += [np.asarray(next(got)) if i in floats else None for i in range(len(args))]
+        return np.asarray(out), np.asarray(lse), grads
 
 
 def rel_error(x, ref):
     x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
     return float(np.abs(x - ref).max() / max(np.abs(ref).max(), 1e-6))
+
+
+def score_value_args(name, docs, H):
+    """The args of `SCORE_VALUE_MODS[name]` for document ids `docs` [B, S] (ids < 5)."""
+    B, S = docs.shape
+    key = jax.random.split(jax.random.key(7), 4)
+    slopes = jnp.linspace(0.02, 0.2, H, dtype=jnp.float32)
+    return {
+        "document_scale": (docs, jax.random.uniform(key[0], (5,), jnp.float32, 0.5, 1.5)),
+        "alibi": (slopes,),
+        "key_bias": (jax.random.normal(key[1], (B, S), jnp.float32),),
+        "document_alibi": (docs, jax.random.uniform(key[2], (H, 5), jnp.float32, 0.01, 0.1)),
+        "packed_distance": (docs * 1000 + jnp.arange(S, dtype=jnp.int32),),
+        "gated_by_row": (jax.random.normal(key[3], (B, H, S), jnp.float32),),
+    }[name]
+
+
+SCORE_VALUE_MODS = {  # score_mods reading arrays by position, batch or head
+    # a learned scale per document, read through the row's document id
+    "document_scale": lambda s, b, h, i, j, doc, sc: s * sc[doc[b, i]],
+    # per-head slopes: per (b, h) values, no position
+    "alibi": lambda s, b, h, i, j, sl: s + sl[h] * (j - i).astype(jnp.float32),
+    # a per-key bias: a column value
+    "key_bias": lambda s, b, h, i, j, kb: s + kb[b, j],
+    # per-document, per-head slopes: a row value that depends on the head
+    "document_alibi": lambda s, b, h, i, j, doc, sl: s - sl[h, doc[b, i]] * jnp.abs(
+        (i - j).astype(jnp.float32)),
+    # integers read on both sides (exact as bit-cast words), combined on the tiles
+    "packed_distance": lambda s, b, h, i, j, pos: s - 0.01 * jnp.abs(
+        pos[b, i] - pos[b, j]).astype(jnp.float32),
+    # a nonlinear mix of the score and a per-(b, h, row) value
+    "gated_by_row": lambda s, b, h, i, j, g: s * jax.nn.sigmoid(g[b, h, i]) + jnp.tanh(g[b, h, i]),
+}

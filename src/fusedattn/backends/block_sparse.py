@@ -10,12 +10,16 @@ cuDNN's graph has no block list: a mask it does not recognise runs every tile th
   drop-ins' dense boolean mask (`config.dense_mask_shape`): the map is built on the
   device in every call from the call's arrays (`device_map`), and the kernels evaluate
   the mask in partial blocks (array reads hoisted per row / column, `hoisting`; the
-  dense mask read tile by tile).
+  dense mask read tile by tile);
+* a score_mod that reads arrays by position (``scale[doc[b, q]]``): cuDNN's graph has
+  no gather, so with or without a mask it runs here (`block_sparse.kernel_score`).
 
-The built-in causal mask and window are ANDed in. The config's score_mod (if any)
-runs inside the kernel when it reads no array. Anything else is a reason, and
-dispatch moves on; `supports` decides from the config alone (shapes and dtypes of
-the arrays), cached per config.
+The built-in causal mask and window are ANDed in, and so are padding lengths (per-row
+key intervals; a padded call's map is built on the device): padded query rows see no
+key, so they give 0. The config's score_mod (if any) runs inside the kernel, its array
+reads hoisted per row, column or (batch, head). Anything else (packed sequences among
+it) is a reason, and dispatch moves on; `supports` decides from the config alone
+(shapes and dtypes of the arrays), cached per config.
 """
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ from ..block_sparse.attention import (block_sparse_attention, block_sparse_atten
                                       block_sparse_attention_with_lse, on_hopper)
 from ..block_sparse.builders import from_element
 from ..block_sparse.dependence import Reads, mask_mod_reads
-from ..block_sparse.hoisting import mask_mod_reason
+from ..block_sparse import kernel_score
+from ..block_sparse.hoisting import MASK, SCORE, reason
 from ..block_sparse.kernel_parts import BLOCK
 from ..block_sparse.terms import Dense, ElementMask, MaskMod
 from ..config import AttnConfig
@@ -57,16 +62,18 @@ def config_reason(config: AttnConfig) -> Optional[str]:
     """What the kernels cannot run, from the config alone (None: they can)."""
     mask_mod, _ = parts(config)
     rules = (
-        (mask_mod is None and not config.has_dense_mask,
-         "runs a mask_mod's or a dense boolean mask's block map; this call has neither "
-         "(cudnn and flash skip the built-in masks' blocks)"),
+        (mask_mod is None and not config.has_dense_mask and not _score_by_position(config),
+         "runs a mask_mod's or a dense boolean mask's block map, or a score_mod reading "
+         "arrays by position; this call has none (cudnn and flash skip the built-in "
+         "masks' blocks)"),
         (config.is_fp8, "no FP8 kernels"),
         (config.dtype not in DTYPES, f"dtype {config.dtype}: kernels are {'/'.join(DTYPES)}"),
         (config.d_qk != config.d_v or config.d_qk not in HEAD_DIMS,
          f"head dims {config.d_qk}/{config.d_v}: kernels take d_qk == d_v in {HEAD_DIMS}"),
         (config.layout != "bshd" or config.qkv_packing != "separate",
          "takes separate q, k, v in the bshd layout"),
-        (config.sequence != "dense", f"sequence {config.sequence!r}: takes dense sequences"),
+        (config.sequence not in ("dense", "padding"),
+         f"sequence {config.sequence!r}: takes dense or padded sequences"),
         (config.has_bias or config.has_dropout or config.softmax != "vanilla",
          "takes no bias, dropout or sink softmax"),
     )
@@ -90,39 +97,42 @@ def mask_reads(config: AttnConfig) -> Reads:
                           config.s_q, config.s_kv)
 
 
-def _score_reads_args(config: AttnConfig) -> bool:
+@functools.lru_cache(maxsize=256)
+def _score_by_position(config: AttnConfig) -> bool:
+    """Whether the score_mod reads arrays by a position (what cuDNN cannot run)."""
     _, score_mod = parts(config)
-    if score_mod is None:
+    try:
+        split = kernel_score.split(score_mod, _arg_specs(config), config.batch, config.h_q,
+                                   config.s_q, config.s_kv)
+    except Exception:  # no in-kernel form: `args_reason` says why
         return False
-
-    def as_mask_mod(b, h, i, j, *args):  # the score a constant: only the args' taint counts
-        return score_mod(jnp.zeros((), jnp.float32), b, h, i, j, *args)
-    return mask_mod_reads(as_mask_mod, _arg_specs(config), config.batch, config.h_q,
-                          config.s_q, config.s_kv).args
+    return split is not None and split.by_position
 
 
 @functools.lru_cache(maxsize=256)
 def args_reason(config: AttnConfig) -> Optional[str]:
-    """Why a call with score_mod_args cannot run here (None: it can): a score_mod part
-    reading them has no in-kernel form, a mask_mod part must have one (`hoisting`)."""
-    mask_mod, _ = parts(config)
+    """Why a call with score_mod_args cannot run here (None: it can): each part reading
+    them must have an in-kernel form (`hoisting`)."""
+    mask_mod, score_mod = parts(config)
+    specs = _arg_specs(config)
     try:
-        if _score_reads_args(config):
-            return ("a score_mod reading arrays (score_mod_args or closed over): the kernels "
-                    "take no score tables (only a mask_mod may read them)")
+        if score_mod is not None and (why := reason(score_mod, specs, config.batch, config.h_q,
+                                                     config.s_q, config.s_kv, SCORE)):
+            return why
         if mask_mod is None or not mask_reads(config).args:
             return None
         reads = mask_reads(config)
-        return mask_mod_reason(mask_mod, _arg_specs(config),
-                               config.batch if reads.batch else 1,
-                               config.h_q if reads.head else 1, config.s_q, config.s_kv)
+        return reason(mask_mod, specs, config.batch if reads.batch else 1,
+                      config.h_q if reads.head else 1, config.s_q, config.s_kv, MASK)
     except Exception as e:  # a function that cannot be traced here: a reason, not a crash
         return f"score_mod_args: {type(e).__name__}: {e}"
 
 
 def static(config: AttnConfig) -> bool:
-    """Whether the call's map is static: a mask_mod of positions alone, no dense mask."""
-    return not config.has_dense_mask and mask_reads(config).positions_only
+    """Whether the call's map is static: a mask_mod of positions alone, no dense mask,
+    no padding lengths."""
+    return (not config.has_dense_mask and not config.is_padded
+            and mask_reads(config).positions_only)
 
 
 @functools.lru_cache(maxsize=256)
@@ -137,8 +147,9 @@ def block_map(config: AttnConfig) -> block_sparse.BlockMap:
 
 
 def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
-    """The call's map from its arrays (the mask_mod's args, the dense mask), built on the
-    device in this call: the AND of those terms and the built-in mask and window."""
+    """The call's map from its arrays (the mask_mod's args, the dense mask, the padding
+    lengths), built on the device in this call: the AND of those terms and the built-in
+    mask and window."""
     mask_mod, _ = parts(config)
     terms = []
     if mask_mod is not None:
@@ -146,31 +157,18 @@ def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
                                    config.h_q, config.s_q, config.s_kv))
     if inputs.dense_mask is not None:
         terms.append(Dense(inputs.dense_mask))
-    terms.append(builtin.intervals(config.s_q, config.s_kv, config.mask, config.window))
+    terms.append(builtin.intervals(config.s_q, config.s_kv, config.mask, config.window,
+                                   inputs.sequence if config.is_padded else None))
     return from_element(ElementMask(terms, config.s_q, config.s_kv), (BLOCK, BLOCK))
-
-
-@functools.lru_cache(maxsize=256)
-def kernel_score_mod(config: AttnConfig):
-    """The score_mod the kernels run, ``(score, b, h, q_idx, kv_idx)``; one object per
-    config, so a re-trace reuses the compiled kernels. With score_mod_args (which
-    `args_reason` made sure it does not read) it gets zeros in their place, made inside
-    the trace: a kernel may not capture arrays, and the unread zeros are dead code."""
-    _, score_mod = parts(config)
-    if score_mod is None or not config.score_mod_arg_specs:
-        return score_mod
-    specs = config.score_mod_arg_specs
-
-    def unread_args(score, b, h, q_idx, kv_idx):
-        return score_mod(score, b, h, q_idx, kv_idx,
-                         *(jnp.zeros(shape, dtype) for shape, dtype in specs))
-    return unread_args
 
 
 class BlockSparseBackend(native_op.NativeBackend):
     """Its kernels run through `native_op` like the FFI backends': under a batch / head
-    split each device runs its shard, building its shard's map; a mask_mod sees the
-    call's batch and head numbers there (`native_op`'s score_mod reindexing)."""
+    split each device runs its shard, building its shard's map; a mask_mod and a
+    score_mod see the call's batch and head numbers there (`native_op`'s score_mod
+    reindexing: the shard's first row and head are two more args, so the values the
+    kernels read are hoisted from the call's numbers). Its backward step also returns
+    the float score_mod_args' gradients (`block_sparse_attention_backward`)."""
     name = "block_sparse"
     platforms = ("cuda",)
     takes_dense_mask = True  # dispatch passes the drop-ins' mask as it is (no bias)
@@ -199,6 +197,8 @@ class BlockSparseBackend(native_op.NativeBackend):
             sources.append("the mask_mod" + (f" (it reads {' and '.join(read)})" if read else ""))
         if config.has_dense_mask:
             sources.append("the dense boolean mask")
+        if config.is_padded:
+            sources.append("the padding lengths")
         return (f"block map of {BLOCK}x{BLOCK} blocks built on the device in every call from "
                 f"{' and '.join(sources)}"
                 + (f", with the {config.mask} mask" if config.causal else "")
@@ -213,7 +213,8 @@ class BlockSparseBackend(native_op.NativeBackend):
         def run(inputs, *operands):
             bm = block_map(config) if static(config) else device_map(config, inputs)
             return attend(inputs.q, inputs.k, inputs.v, *operands, bm, scale=config.scale,
-                          score_mod=kernel_score_mod(config), implementation=IMPLEMENTATION)
+                          score_mod=parts(config)[1], score_mod_args=inputs.score_mod_args,
+                          implementation=IMPLEMENTATION)
         # (under Explicit axes the map's and the list walks' gathers run with the axes
         # Auto, as the XLA backend's tiles do)
         return partitioning.in_auto_axes(run, inputs.q, out_specs, inputs, *operands)
@@ -228,10 +229,15 @@ class BlockSparseBackend(native_op.NativeBackend):
                          lambda: partitioning.typed_specs(config, inputs.q, dims)[0]), None
 
     def backward(self, config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
-        primal = (inputs.q, inputs.k, inputs.v)  # each gradient typed as its array
-        return AttnInputs(*self._run(
+        """Gradients of q, k, v and of the float score_mod_args (None for the others)."""
+        floats = tuple(x if jnp.issubdtype(jnp.result_type(x), jnp.floating) else None
+                       for x in inputs.score_mod_args)
+        primal = (inputs.q, inputs.k, inputs.v, floats)  # each gradient typed as its array
+        dq, dk, dv, d_args = self._run(
             config, inputs, block_sparse_attention_backward,
-            lambda: tuple(jax.typeof(x).sharding.spec for x in primal), out, lse, d_out))
+            lambda: jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, primal),
+            out, lse, d_out)
+        return AttnInputs(dq, dk, dv, score_mod_args=d_args)
 
     def attention_with_lse(self, config: AttnConfig, inputs: AttnInputs):
         """(out, fp32 natural log-sum-exp [b, h_q, s_q], -inf on rows with no visible key;
@@ -240,17 +246,21 @@ class BlockSparseBackend(native_op.NativeBackend):
         return native_op.attention(self.name, config, inputs, need_lse=True)
 
 
-# A shard's kernels see its own batch and head numbers; a mask_mod gets the call's
-# through hoisted arrays, a score_mod in the kernel has no way to.
-SHARD_NOTE = (" (on a shard of a batch / head split: a score_mod that reads the batch or head "
-              "index needs the shard's offset, which the kernels cannot take; run this call "
-              "unsplit or on another backend)")
+# A shard's kernels see its own batch and head numbers; its mask_mod and score_mod get
+# the call's as the shard's first row and head (two more int args, `native_op`), so
+# what reads them is hoisted: a function whose reads of those numbers have no
+# in-kernel form cannot run on the shard.
+SHARD_NOTE = (" (on a shard of a batch / head split, where the mask_mod / score_mod reads "
+              "the call's batch and head numbers as the shard's first row and head plus its "
+              "own: those reads must be hoisted; run this call unsplit or on another "
+              "backend)")
 
 
 def _reindexed(config: AttnConfig) -> bool:
-    """Is `config` a shard's, its score_mod reading the call's numbers (`native_op`)?"""
-    return isinstance(parts(config)[0], Reindexed)
+    """Is `config` a shard's, its functions reading the call's numbers (`native_op`)?"""
+    return any(isinstance(f, Reindexed) for f in parts(config))
 
 
 BACKEND = BlockSparseBackend()
-native_op.register(BACKEND.name, native_op.Kernels(BACKEND.forward, BACKEND.backward))
+native_op.register(BACKEND.name, native_op.Kernels(BACKEND.forward, BACKEND.backward,
+                                                    arg_grads=True))

@@ -21,29 +21,32 @@ from . import kernel_bwd, kernel_fwd, reference
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
 from .kernel_parts import BLOCK
+from .kernel_score import kernel_score
 
 IMPLEMENTATIONS = ("mosaic", "reference")
 
 
 def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[float] = None,
-                           score_mod: Optional[Callable] = None,
+                           score_mod: Optional[Callable] = None, score_mod_args=(),
                            implementation: Optional[str] = None):
     """Attention of q ``[b, s_q, h_q, d]`` over k, v ``[b, s_kv, h_kv, d]`` (bshd,
     h_q a multiple of h_kv) where `block_map` says which pairs are visible;
-    ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites the scaled score (elementwise
-    JAX code; on GPU it runs inside the kernel). Rows with no visible key give 0.
-    Differentiable in q, k, v. Lengths need not be multiples of the block: the arrays
-    are padded to whole blocks and the padding masked. `implementation`: "mosaic",
-    "reference" or None (mosaic on a Hopper GPU, else reference)."""
-    out, _ = _call(q, k, v, block_map, scale, score_mod, implementation)
+    ``score_mod(score, b, h, q_idx, kv_idx, *score_mod_args)`` rewrites the scaled
+    score (elementwise JAX code; on GPU it runs inside the kernel, its reads of the
+    args by position, batch or head hoisted out: `kernel_score`). Rows with no
+    visible key give 0. Differentiable in q, k, v and the float args. Lengths need
+    not be multiples of the block: the arrays are padded to whole blocks and the
+    padding masked. `implementation`: "mosaic", "reference" or None (mosaic on a
+    Hopper GPU, else reference)."""
+    out, _ = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation)
     return out
 
 
 def block_sparse_attention_with_lse(q, k, v, block_map: BlockMap, *, scale=None,
-                                    score_mod=None, implementation=None):
+                                    score_mod=None, score_mod_args=(), implementation=None):
     """(out, lse): lse is the fp32 natural log-sum-exp ``[b, h_q, s_q]`` (-inf on
     rows with no visible key)."""
-    out, lse2 = _call(q, k, v, block_map, scale, score_mod, implementation)
+    out, lse2 = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation)
     return out, lse2 * math.log(2.0)
 
 
@@ -63,26 +66,58 @@ def on_hopper() -> bool:
 
 
 def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMap, *,
-                                    scale=None, score_mod=None, implementation=None):
-    """(dq, dk, dv) of `block_sparse_attention` at cotangent `d_out`, from the forward's
-    `out` and natural `lse` (`block_sparse_attention_with_lse`): the backward kernels
-    alone, for a caller that runs the forward and the backward as steps of its own."""
+                                    scale=None, score_mod=None, score_mod_args=(),
+                                    implementation=None):
+    """(dq, dk, dv, d_args) of `block_sparse_attention` at cotangent `d_out`, from the
+    forward's `out` and natural `lse` (`block_sparse_attention_with_lse`): the backward
+    kernels alone, for a caller that runs the forward and the backward as steps of its
+    own. `d_args` has each score_mod_arg's gradient (None for integer ones): the
+    kernels' gradients of the hoisted values (`kernel_score`) carried back through the
+    hoisted reads by JAX, as `block_sparse_attention`'s derivative does (no
+    ``s_q x s_kv`` array)."""
     s_q, s_kv = q.shape[1], k.shape[1]
     fn, scale, impl, (q, k, v), ints = _operands(q, k, v, block_map, scale, implementation)
+    args = tuple(score_mod_args)
+    floats = [i for i, a in enumerate(args) if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
+    score_fn = []
+
+    def hoisted(float_args):  # the values the kernels read, from the float args
+        full = list(args)
+        for i, x in zip(floats, float_args):
+            full[i] = x
+        fn, values = _score(score_mod, full, q.shape[0], q.shape[2], s_q, s_kv)
+        score_fn.append(fn)
+        return values
+    values, pullback = jax.vjp(hoisted, [args[i] for i in floats])
     whole = q.shape[1]
     # (padded rows see no key: lse -inf, output 0, as the forward gives them)
     lse2 = jnp.pad(lse.astype(jnp.float32) / math.log(2.0), ((0, 0), (0, 0), (0, whole - s_q)),
                    constant_values=-jnp.inf)
     out, d_out = (_pad_tokens(x, whole) for x in (out, d_out))
-    dq, dk, dv, _ = _bwd(fn, scale, score_mod, impl, (q, k, v, ints, out, lse2), (d_out, None))
-    return dq[:, :s_q], dk[:, :s_kv], dv[:, :s_kv]
+    dq, dk, dv, d_values, _ = _bwd(fn, scale, score_fn[0], impl,
+                                   (q, k, v, values, ints, out, lse2), (d_out, None))
+    d_args = [None] * len(args)
+    for i, g in zip(floats, pullback(d_values)[0]):
+        d_args[i] = g
+    return dq[:, :s_q], dk[:, :s_kv], dv[:, :s_kv], tuple(d_args)
 
 
-def _call(q, k, v, bm, scale, score_mod, implementation):
-    s_q = q.shape[1]
+def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation):
+    s_q, s_kv = q.shape[1], k.shape[1]
     fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation)
-    out, lse2 = _attention(fn, scale, score_mod, impl, q, k, v, ints)
+    score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
+    out, lse2 = _attention(fn, scale, score, impl, q, k, v, values, ints)
     return out[:, :s_q], lse2[..., :s_q]
+
+
+def _score(score_mod, score_mod_args, batch, heads, s_q, s_kv):
+    """(the kernels' score function or None, its (row, column) values padded to whole
+    blocks: differentiable in the float args, `kernel_score`)."""
+    score = kernel_score(score_mod, tuple(score_mod_args), batch, heads, s_q, s_kv)
+    if score is None:
+        return None, (None, None)
+    return score.fn, (_pad_tokens(score.q_values, _whole(s_q), axis=3),
+                      _pad_tokens(score.kv_values, _whole(s_kv), axis=3))
 
 
 def _operands(q, k, v, bm, scale, implementation):
@@ -131,25 +166,25 @@ def _padded(km: KernelMask, s_q: int, s_kv: int) -> KernelMask:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(fn, scale, score_mod, impl, q, k, v, ints):
-    return _forward(fn, scale, score_mod, impl, q, k, v, ints)
+def _attention(fn, scale, score, impl, q, k, v, values, ints):
+    return _forward(fn, scale, score, impl, q, k, v, values, ints)
 
 
-def _forward(fn, scale, score_mod, impl, q, k, v, ints):
+def _forward(fn, scale, score, impl, q, k, v, values, ints):
     fwd_lists, _, qa, ka, dense = ints
     km = KernelMask(qa, ka, dense, fn)
-    if impl == "mosaic":
-        return kernel_fwd.forward(q, k, v, fwd_lists, km, scale=scale, score_mod=score_mod)
-    return reference.forward(q, k, v, fwd_lists, km, scale=scale, score_mod=score_mod)
+    kernels = kernel_fwd if impl == "mosaic" else reference
+    return kernels.forward(q, k, v, fwd_lists, km, scale=scale, score=score,
+                           score_values=values)
 
 
-def _fwd(fn, scale, score_mod, impl, q, k, v, ints):
-    out, lse2 = _forward(fn, scale, score_mod, impl, q, k, v, ints)
-    return (out, lse2), (q, k, v, ints, out, lse2)
+def _fwd(fn, scale, score, impl, q, k, v, values, ints):
+    out, lse2 = _forward(fn, scale, score, impl, q, k, v, values, ints)
+    return (out, lse2), (q, k, v, values, ints, out, lse2)
 
 
-def _bwd(fn, scale, score_mod, impl, res, cts):
-    q, k, v, ints, out, lse2 = res
+def _bwd(fn, scale, score, impl, res, cts):
+    q, k, v, values, ints, out, lse2 = res
     do = cts[0].astype(q.dtype)
     fwd_lists, bwd_lists, qa, ka, dense = ints
     km = KernelMask(qa, ka, dense, fn)
@@ -159,20 +194,32 @@ def _bwd(fn, scale, score_mod, impl, res, cts):
     delta = jax.lax.optimization_barrier(delta)
     # +inf on rows with no visible key: their probabilities exp2(s - lse) are 0
     lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
-    kw = dict(scale=scale, score_mod=score_mod)
+    kw = dict(scale=scale, score=score, score_values=values)
     if impl == "mosaic":
-        dq = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
+        dq, d_q_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
         km_t = km if dense is None else km._replace(dense=jnp.swapaxes(dense, -1, -2))
-        dk, dv = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km_t, **kw)
+        dk, dv, d_kv_values = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km_t, **kw)
     else:
-        dq = reference.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
-        dk, dv = reference.dkv(q, k, v, do, lse_delta, bwd_lists, km, **kw)
+        dq, d_q_values = reference.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
+        dk, dv, d_kv_values = reference.dkv(q, k, v, do, lse_delta, bwd_lists, km, **kw)
     dk, dv = (_group_sum(x, k.shape[2]).astype(k.dtype) for x in (dk, dv))
+    d_values = tuple(_summed_to(g, x) for g, x in zip((d_q_values, d_kv_values), values))
     zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), ints)
-    return dq, dk, dv, zeros
+    return dq, dk, dv, d_values, zeros
 
 
 _attention.defvjp(_fwd, _bwd)
+
+
+def _summed_to(grad, x):
+    """A value-words gradient [B, H, n, S] summed to the words' broadcast shape (zeros
+    where the kernels returned none: no value there is a float)."""
+    if x is None:
+        return None
+    if grad is None:
+        return jnp.zeros_like(x)
+    axes = tuple(a for a in (0, 1) if x.shape[a] == 1 and grad.shape[a] != 1)
+    return grad.sum(axes, keepdims=True) if axes else grad
 
 
 def _group_sum(x, h_kv):

@@ -1,13 +1,19 @@
-"""The in-kernel form of a mask_mod that reads arrays: its reads hoisted out.
+"""The in-kernel form of a mask_mod or score_mod that reads arrays: its reads hoisted out.
 
 A kernel cannot gather, but a mask_mod such as ``doc[b, q] == doc[b, kv]`` reads
-each array per row (b, q_idx) or per column (b, kv_idx). `hoist` follows each
-value's dependence on b, h, q, kv and the arrays through the jaxpr (traced with
-`dependence.index_specs`' shapes) and splits it there: the values at the split
-are computed on the device as int32 ``[B|1, s_q]`` / ``[B|1, s_kv]`` arrays, which
-the kernels read like segment ids (`Hoisted.values`), and the rest, elementwise,
-runs on tiles (`Hoisted.__call__`). No hoisted value depends on both q and kv, so
-no ``s_q x s_kv`` array forms.
+each array per row (b, q_idx) or per column (b, kv_idx), and a score_mod such as
+``s * scale[doc[b, q]] + slope[h] * (kv - q)`` per row, per column or per (b, h).
+`hoist` follows each value's dependence on the score, b, h, q, kv and the arrays
+through the jaxpr (traced with `dependence.index_specs`' shapes) and splits it
+there: the values at the split are computed on the device (`Hoisted.values`) and
+the rest, elementwise, runs on tiles (`Hoisted.__call__`). No hoisted value depends
+on both q and kv, so no ``s_q x s_kv`` array forms.
+
+* A mask_mod's values (`MASK`) are integers per (b, row) or (b, column), read by the
+  kernels like segment ids: int32 ``[B|1, s]``.
+* A score_mod's values (`SCORE`) may also depend on the head and be floats: 32-bit
+  words ``[B|1, H|1, s]`` as float32, integers bit-cast (so ids stay exact), and the
+  float ones differentiable (the kernels return their gradients, `Hoisted.floats`).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from .dependence import index_specs
+from .jaxprs import Eqn, flatten, name_of as _name, value_of
 
 
 class Unsupported(ValueError):
@@ -27,10 +34,21 @@ class Unsupported(ValueError):
 
 # What a value depends on, as bits. _DEVICE: it comes from an operation no kernel
 # runs (a gather, a reduction, ...), so it must be computed before the kernel.
-_B, _H, _Q, _KV, _ARG, _DEVICE = 1, 2, 4, 8, 16, 32
+_B, _H, _Q, _KV, _ARG, _DEVICE, _S = 1, 2, 4, 8, 16, 32, 64
 
-_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
-                     "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint"})
+
+class Kind(NamedTuple):
+    """What is hoisted: the function's name in messages, its leading (non-array)
+    inputs' dependence bits, and what its hoisted values may be."""
+    name: str
+    index_bits: tuple
+    heads: bool   # values may depend on the head index
+    floats: bool  # values may be floating point (else integers and bools)
+
+
+MASK = Kind("mask_mod", (_B, _H, _Q, _KV), heads=False, floats=False)
+SCORE = Kind("score_mod", (_S, _B, _H, _Q, _KV), heads=True, floats=True)
+
 _SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
                          "copy_p"})
 _ELEMENTWISE = frozenset({
@@ -44,137 +62,157 @@ _SAME_SHAPES = frozenset({"select_n", "clamp"})  # (lax broadcasts only scalars 
 _REASONS = {
     "head": "it reads an array at an index that depends on the head index h (hoisted "
             "values are per row (b, q_idx) or per column (b, kv_idx))",
-    "dtype": "an array read gives {dtype} values (only integer and bool values up to 32 "
-             "bits are hoisted, as int32)",
-    "shape": "an array read gives a value of shape {shape}, not one per row [B|1, 1, s_q, 1] "
-             "or per column [B|1, 1, 1, s_kv]",
+    "dtype": "an array read gives {dtype} values (only {allowed} values up to 32 bits "
+             "are hoisted)",
+    "shape": "an array read gives a value of shape {shape}, not one per row [B|1, {h}, s_q, 1] "
+             "or per column [B|1, {h}, 1, s_kv]",
 }
 
 
-class _Eqn(NamedTuple):
-    prim: object
-    params: dict
-    ins: tuple
-    outs: tuple
-
-
-class _Var:
-    """A fresh variable: an inlined call's values get one per call site."""
-    def __init__(self, aval):
-        self.aval = aval
-
-
 class Hoisted:
-    """A mask_mod split at its per-row / per-column values (see the module doc)."""
+    """A function split at its per-row / per-column values (see the module doc)."""
 
-    def __init__(self, inputs, consts, device, kernel, rows, cols, out, s_q, s_kv):
+    def __init__(self, kind, inputs, consts, device, kernel, rows, cols, out, s_q, s_kv):
+        self.kind = kind
         self._inputs, self._consts = inputs, consts
         self._device, self._kernel = device, kernel
         self._rows, self._cols, self._out = rows, cols, out
         self.s_q, self.s_kv = s_q, s_kv
         self.n_rows, self.n_cols = len(rows), len(cols)  # how many values of each side
+        # which values are floating point (a score_mod's differentiable ones), per side
+        self.floats = (tuple(_is_float(v.aval.dtype) for v in rows),
+                       tuple(_is_float(v.aval.dtype) for v in cols))
+        # whether a value varies along the rows or columns (not only with b and h)
+        self.by_position = any(v.aval.shape[2:3] not in ((), (1,)) for v in rows) or \
+            any(v.aval.shape[3:4] not in ((), (1,)) for v in cols)
 
     def values(self, args: Sequence):
-        """(per-row int32 ``[B|1, s_q]`` list, per-column int32 ``[B|1, s_kv]`` list) from
-        the mask_mod's actual arguments."""
+        """(per-row list, per-column list) of the values from the function's actual
+        arguments: int32 ``[B|1, s]`` for a mask_mod, float32 words ``[B|1, H|1, s]``
+        for a score_mod (differentiable in the float args)."""
+        n_index = len(self.kind.index_bits)
         env = dict(self._consts)
-        env.update((v, jax.lax.broadcasted_iota(v.aval.dtype, v.aval.shape, axis))
-                   for axis, v in enumerate(self._inputs[:4]))
-        env.update(zip(self._inputs[4:], (jnp.asarray(a, v.aval.dtype)
-                                          for a, v in zip(args, self._inputs[4:]))))
+        for axis, v in enumerate(self._inputs[n_index - 4:n_index]):
+            env[v] = jax.lax.broadcasted_iota(v.aval.dtype, v.aval.shape, axis)
+        env.update(zip(self._inputs[n_index:], (jnp.asarray(a, v.aval.dtype)
+                                                for a, v in zip(args, self._inputs[n_index:]))))
         for e in self._device:
             params = e.prim.get_bind_params(e.params)
             sub, params = params if isinstance(params, tuple) else ((), params)  # older JAX
             outs = e.prim.bind(*sub, *[_read(env, v) for v in e.ins], **params)
             env.update(zip(e.outs, outs if e.prim.multiple_results else [outs]))
-        return ([_flat(env[v], self.s_q, 2) for v in self._rows],
-                [_flat(env[v], self.s_kv, 3) for v in self._cols])
+        flat = _word if self.kind.floats else lambda x: x[:, 0].astype(jnp.int32)
+        return ([flat(_flat(env[v], self.s_q, 2)) for v in self._rows],
+                [flat(_flat(env[v], self.s_kv, 3)) for v in self._cols])
 
-    def __call__(self, b, h, q, kv, rows: Sequence, cols: Sequence):
-        """The mask on tiles: b, h scalars, q / kv position tiles, `rows` / `cols` the
-        values' int32 tiles (broadcastable to q / kv's shape)."""
+    def __call__(self, *index_rows_cols):
+        """``split(*index, rows, cols)``: the function on tiles. `index` its leading inputs (b, h scalars, q / kv
+        position tiles; a score_mod's score first), `rows` / `cols` the values' tiles
+        as `values` gives them (broadcastable to q / kv's shape). A mask_mod's result
+        is a boolean tile; a score_mod's is in its own dtype."""
+        *index, rows, cols = index_rows_cols
         env = {v: _wide(c.reshape(())) for v, c in self._consts.items() if np.size(c) == 1}
-        env.update(zip(self._inputs[:4], (b, h, q, kv)))
+        env.update(zip(self._inputs[:len(index)], index))
         for v, x in zip(self._rows + self._cols, list(rows) + list(cols)):
-            env[v] = x != 0 if v.aval.dtype == np.bool_ else \
-                x if v.aval.dtype == np.int32 or _narrow(v.aval.dtype) else x.astype(v.aval.dtype)
+            env[v] = _from_tile(x, v.aval.dtype, self.kind.floats)
         for e in self._kernel:
             env[e.outs[0]] = _on_tiles(e, [_read(env, v, wide=True) for v in e.ins])
         out = _read(env, self._out, wide=True)
+        shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in index[-2:]))
+        if self.kind.floats:
+            return jnp.broadcast_to(out, jnp.broadcast_shapes(shape, jnp.shape(index[0])))
         out = out if jnp.result_type(out) == np.bool_ else out != 0
-        return jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(q), jnp.shape(kv)))
+        return jnp.broadcast_to(out, shape)
 
 
-def hoist(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int) -> Hoisted:
-    """Split ``fn(b, h, q_idx, kv_idx, *args)`` at its array reads (`arg_specs`: the
-    args' ShapeDtypeStructs); raises `Unsupported` naming the rule it breaks."""
-    eqns, inputs, consts, out, dep = _program(fn, arg_specs, batch, heads, s_q, s_kv)
+def hoist(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
+          kind: Kind = MASK) -> Hoisted:
+    """Split ``fn(b, h, q_idx, kv_idx, *args)`` (a `SCORE` kind: ``fn(score, b, h,
+    q_idx, kv_idx, *args)``) at its array reads (`arg_specs`: the args'
+    ShapeDtypeStructs); raises `Unsupported` naming the rule it breaks."""
+    eqns, inputs, consts, out, dep = _program(fn, kind, arg_specs, batch, heads, s_q, s_kv)
     producer = {o: e for e in eqns for o in e.outs}
     everything = list(inputs) + list(consts) + [o for e in eqns for o in e.outs]
     hoisted = {v for v in everything  # what reads an array or needs the device, on one side
-               if dep[v] & (_ARG | _DEVICE) and (dep[v] & (_Q | _KV)) != _Q | _KV}
+               if dep[v] & (_ARG | _DEVICE) and not dep[v] & _S
+               and (dep[v] & (_Q | _KV)) != _Q | _KV}
     kernel, frontier = _split(eqns, out, hoisted, everything)
     for e in reversed(kernel):  # (moving values into the kernel below adds none of these)
         if not _in_kernel(e):
-            raise Unsupported(_refusal(
-                "it reads an array at an index that depends on both q_idx and kv_idx (only "
-                "per-row or per-column reads are hoisted)" if dep[e.outs[0]] & _ARG else
-                f"its {e.prim.name} of values of both q_idx and kv_idx is no elementwise "
-                "operation"))
+            d = dep[e.outs[0]]
+            raise Unsupported(_refusal(kind, (
+                f"it reads an array at an index that depends on {_both(d)} (only per-row, "
+                "per-column or per-(batch, head) reads are hoisted)") if d & _ARG else (
+                f"its {e.prim.name} of values of {_both(d)} is no elementwise operation")))
     while True:
         bad = [(v, why) for v in frontier
-               if (why := _problem(v, dep[v], batch, s_q, s_kv)) is not None]
+               if (why := _problem(kind, v, dep[v], batch, heads, s_q, s_kv)) is not None]
         if not bad:
             break
         for v, why in bad:
             e = producer.get(v)
             if e is None or not _in_kernel(e):  # it cannot move into the kernel: refuse
-                raise Unsupported(_refusal(_REASONS[why].format(dtype=v.aval.dtype,
-                                                                shape=v.aval.shape)))
+                allowed = "integer, bool and float" if kind.floats else "integer and bool"
+                raise Unsupported(_refusal(kind, _REASONS[why].format(
+                    dtype=v.aval.dtype, shape=v.aval.shape, allowed=allowed,
+                    h="H|1" if kind.heads else "1")))
             hoisted.discard(v)  # computed in the kernel from what it reads instead
         kernel, frontier = _split(eqns, out, hoisted, everything)
     for e in kernel:
         if not _keeps_layout(e, (batch, heads, s_q, s_kv)):
-            raise Unsupported(_refusal(
+            raise Unsupported(_refusal(kind,
                 f"its {e.prim.name} gives shape {e.outs[0].aval.shape}: kernel-side values must "
                 "keep the index layout [B|1, H|1, s_q|1, s_kv|1]"))
-    rows = [v for v in frontier if _side(v, dep[v], batch, s_q, s_kv) == 2]
-    cols = [v for v in frontier if _side(v, dep[v], batch, s_q, s_kv) == 3]
-    return Hoisted(inputs, consts, _slice(eqns, frontier)[0], kernel, rows, cols, out, s_q, s_kv)
+    rows = [v for v in frontier if _side(kind, v, dep[v], batch, heads, s_q, s_kv) == 2]
+    cols = [v for v in frontier if _side(kind, v, dep[v], batch, heads, s_q, s_kv) == 3]
+    return Hoisted(kind, inputs, consts, _slice(eqns, frontier)[0], kernel, rows, cols, out,
+                   s_q, s_kv)
 
 
-def mask_mod_reason(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int,
-                    s_kv: int) -> Optional[str]:
-    """Why ``fn(b, h, q_idx, kv_idx, *args)`` has no in-kernel form, from shapes alone;
-    None when it has one (a mask_mod that reads no array is called as it is)."""
-    *_, out, dep = _program(fn, arg_specs, batch, heads, s_q, s_kv)
+def reason(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
+           kind: Kind = MASK) -> Optional[str]:
+    """Why `fn` (see `hoist`) has no in-kernel form, from shapes alone; None when it has
+    one (a function that reads no array is called as it is)."""
+    *_, out, dep = _program(fn, kind, arg_specs, batch, heads, s_q, s_kv)
     if isinstance(out, Literal) or not dep[out] & _ARG:
         return None
     try:
-        hoist(fn, arg_specs, batch, heads, s_q, s_kv)
+        hoist(fn, arg_specs, batch, heads, s_q, s_kv, kind)
     except Unsupported as e:
         return str(e)
     return None
 
 
-def _refusal(why: str) -> str:
-    return f"a mask_mod that reads arrays has no in-kernel form here: {why}"
+def mask_mod_reason(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int,
+                    s_kv: int) -> Optional[str]:
+    """`reason` for a mask_mod ``fn(b, h, q_idx, kv_idx, *args)``."""
+    return reason(fn, arg_specs, batch, heads, s_q, s_kv, MASK)
 
 
-def _program(fn, arg_specs, batch, heads, s_q, s_kv):
+def _refusal(kind: Kind, why: str) -> str:
+    return f"a {kind.name} that reads arrays has no in-kernel form here: {why}"
+
+
+def _both(d: int) -> str:
+    return "the score" if d & _S else "both q_idx and kv_idx"
+
+
+def _program(fn, kind, arg_specs, batch, heads, s_q, s_kv):
     """(flat equations, inputs, consts, output, dependence bits per variable)."""
-    closed = jax.make_jaxpr(fn)(*index_specs(batch, heads, s_q, s_kv), *arg_specs)
+    specs = index_specs(batch, heads, s_q, s_kv)
+    if kind.floats:  # the score, as the kernels give it
+        specs = [jax.ShapeDtypeStruct((batch, heads, s_q, s_kv), jnp.float32)] + specs
+    closed = jax.make_jaxpr(fn)(*specs, *arg_specs)
     jaxpr = closed.jaxpr
     if len(jaxpr.outvars) != 1:
-        raise Unsupported(_refusal(f"it returns {len(jaxpr.outvars)} values, not one mask"))
-    inputs, consts, eqns = list(jaxpr.invars), {}, []
-    env = {v: v for v in inputs}
-    _constants(jaxpr, closed.consts, env, consts)
-    _flatten(jaxpr, env, consts, eqns)
+        raise Unsupported(_refusal(kind, f"it returns {len(jaxpr.outvars)} values, not one"))
+    inputs = list(jaxpr.invars)
+    eqns, consts, env = flatten(closed)
     out = _name(env, jaxpr.outvars[0])
     # an array closed over is read like an argument; a scalar one is a constant
     dep = {v: (_ARG if np.size(c) > 1 else 0) for v, c in consts.items()}
-    dep.update(zip(inputs, [_B, _H, _Q, _KV] + [_ARG] * (len(inputs) - 4)))
+    n_index = len(kind.index_bits)
+    dep.update(zip(inputs, list(kind.index_bits) + [_ARG] * (len(inputs) - n_index)))
     for e in eqns:
         d = 0 if _in_kernel(e) else _DEVICE
         for v in e.ins:
@@ -183,42 +221,12 @@ def _program(fn, arg_specs, batch, heads, s_q, s_kv):
     return eqns, inputs, consts, out, dep
 
 
-def _flatten(jaxpr, env, consts, eqns):
-    """`jaxpr`'s equations with calls (pjit, custom_jvp, ...) inlined, every output renamed."""
-    for eqn in jaxpr.eqns:
-        ins = tuple(_name(env, v) for v in eqn.invars)
-        sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
-                    if k in eqn.params), None)
-        if eqn.primitive.name in _INLINE and sub is not None:
-            inner = getattr(sub, "jaxpr", sub)
-            inner_env = dict(zip(inner.invars, ins))
-            _constants(inner, getattr(sub, "consts", ()), inner_env, consts)
-            _flatten(inner, inner_env, consts, eqns)
-            env.update((o, _name(inner_env, i)) for o, i in zip(eqn.outvars, inner.outvars))
-        else:
-            outs = tuple(_Var(v.aval) for v in eqn.outvars)
-            env.update(zip(eqn.outvars, outs))
-            eqns.append(_Eqn(eqn.primitive, eqn.params, ins, outs))
-
-
-def _constants(jaxpr, values, env, consts):
-    for v, c in zip(jaxpr.constvars, values):
-        env[v] = _Var(v.aval)
-        consts[env[v]] = np.asarray(c) if isinstance(c, (np.ndarray, np.generic)) else c
-
-
-def _name(env, v):
-    return v if isinstance(v, Literal) else env[v]
-
-
 def _read(env, v, wide=False):
-    if not isinstance(v, Literal):
-        return env[v]
-    x = np.asarray(v.val, v.aval.dtype)
-    return _wide(x) if wide else x
+    x = value_of(env, v)
+    return _wide(x) if wide and isinstance(v, Literal) else x
 
 
-def _on_tiles(e: _Eqn, ins):
+def _on_tiles(e: Eqn, ins):
     """One equation on tiles (8-bit integers held as int32: see `_narrow`)."""
     name, dt, params = e.prim.name, e.outs[0].aval.dtype, e.params
     if name in _SHAPE_ONLY:
@@ -248,7 +256,7 @@ def _wrap(x, dtype):
     return x & np.int32(255)
 
 
-def _in_kernel(e: _Eqn) -> bool:
+def _in_kernel(e: Eqn) -> bool:
     return e.prim.name in _ELEMENTWISE or e.prim.name in _SHAPE_ONLY
 
 
@@ -269,12 +277,13 @@ def _split(eqns, out, hoisted, everything):
     return kernel, [v for v in everything if v in needed and v in hoisted]
 
 
-def _side(v, d, batch, s_q, s_kv) -> Optional[int]:
+def _side(kind, v, d, batch, heads, s_q, s_kv) -> Optional[int]:
     """2: a per-row value (also one of neither q nor kv), 3: per-column, None: neither shape."""
     shape = v.aval.shape
     if len(shape) == 0:
         return 2
-    if len(shape) != 4 or shape[0] not in (1, batch) or shape[1] != 1:
+    if len(shape) != 4 or shape[0] not in (1, batch) or \
+            shape[1] not in ((1, heads) if kind.heads else (1,)):
         return None
     if d & _KV:
         return 3 if shape[2] == 1 and shape[3] in (1, s_kv) else None
@@ -283,16 +292,21 @@ def _side(v, d, batch, s_q, s_kv) -> Optional[int]:
     return 2 if shape[2] == shape[3] == 1 else None
 
 
-def _problem(v, d, batch, s_q, s_kv) -> Optional[str]:
-    if d & _H:
+def _problem(kind, v, d, batch, heads, s_q, s_kv) -> Optional[str]:
+    if d & _H and not kind.heads:
         return "head"
     dt = np.dtype(v.aval.dtype)
-    if not (dt == np.bool_ or (np.issubdtype(dt, np.integer) and dt.itemsize <= 4)):
+    if not (dt == np.bool_ or (np.issubdtype(dt, np.integer) and dt.itemsize <= 4)
+            or (kind.floats and _is_float(dt) and dt.itemsize <= 4)):
         return "dtype"
-    return "shape" if _side(v, d, batch, s_q, s_kv) is None else None
+    return "shape" if _side(kind, v, d, batch, heads, s_q, s_kv) is None else None
 
 
-def _keeps_layout(e: _Eqn, dims) -> bool:
+def _is_float(dtype) -> bool:
+    return np.issubdtype(dtype, np.floating)
+
+
+def _keeps_layout(e: Eqn, dims) -> bool:
     """Values of an equation on tiles are scalars or [B|1, H|1, s_q|1, s_kv|1]; a shape-only
     one is the identity there when each axis keeps its meaning."""
     if not all(len(s) == 0 or (len(s) == 4 and all(n in (1, m) for n, m in zip(s, dims)))
@@ -315,7 +329,25 @@ def _aligned(name, xs):
 
 
 def _flat(x, n, axis):
-    """A frontier value ``[B|1, 1, n|1, 1]`` (axis 2) or ``[B|1, 1, 1, n|1]`` as int32 [B|1, n]."""
+    """A frontier value ``[B|1, H|1, n|1, 1]`` (axis 2) or ``[B|1, H|1, 1, n|1]`` (or a
+    scalar) as ``[B|1, H|1, n]`` in its own dtype."""
     x = jnp.reshape(x, (1, 1, 1, 1)) if jnp.ndim(x) == 0 else x
-    shape = (x.shape[0], 1, n, 1) if axis == 2 else (x.shape[0], 1, 1, n)
-    return jnp.broadcast_to(x, shape).reshape(x.shape[0], n).astype(jnp.int32)
+    shape = x.shape[:2] + ((n, 1) if axis == 2 else (1, n))
+    return jnp.broadcast_to(x, shape).reshape(x.shape[:2] + (n,))
+
+
+def _word(x):
+    """A score_mod value as a float32 word: floats converted, integers bit-cast."""
+    if _is_float(x.dtype):
+        return x.astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
+
+
+def _from_tile(x, dtype, words: bool):
+    """A value's tile as the function sees it: from an int32 tile (a mask_mod's) or a
+    float32 word tile (a score_mod's); 8-bit integers stay int32 (see `_narrow`)."""
+    if words and not _is_float(dtype):
+        x = jax.lax.bitcast_convert_type(x, jnp.int32)
+    if dtype == np.bool_:
+        return x != 0
+    return x if x.dtype == dtype or _narrow(dtype) else x.astype(dtype)

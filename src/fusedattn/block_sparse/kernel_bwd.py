@@ -19,20 +19,35 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
-from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, col_vector, cols_of, iota,
-                           logits, matmul_acc, matmul_acc2, matmul_t2, row_vector, rows_of,
-                           smem_tiled, tile)
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, bh_index as _bh, col_vector,
+                           cols_of, iota, logits, matmul_acc, matmul_acc2, matmul_t2, row_vector,
+                           rows_of, smem_tiled, tile)
 
 HALF = BLOCK // 2
 
 
-def _unpack(refs, n_qa, n_ka, has_dense):
+def _unpack(refs, n_qa, n_ka, has_dense, n_sq, n_skv):
     head, refs = refs[:5], list(refs[5:])
     lists, refs = refs[:4], refs[4:]
     qa = refs.pop(0) if n_qa else None
     ka = refs.pop(0) if n_ka else None
     dense = refs.pop(0) if has_dense else None
-    return head, lists, qa, ka, dense, refs
+    sq = refs.pop(0) if n_sq else None
+    skv = refs.pop(0) if n_skv else None
+    return head, lists, (qa, ka, dense, sq, skv), refs
+
+
+def _counts(kmask: KernelMask, score_values):
+    """How many mask arrays (q, kv) and score value words (q, kv) a call has."""
+    return tuple(0 if x is None else x.shape[a] for x, a in (
+        (kmask.q_arrays, 1), (kmask.kv_arrays, 1), (score_values[0], 2), (score_values[1], 2)))
+
+
+def _row_sums(accs, tiles, floats):
+    """Add each float value's gradient tile, summed along the tile's rows, to its
+    accumulator (non-float values have none)."""
+    tiles = iter(tiles)
+    return [acc + next(tiles).sum(axis=1) if yes else acc for acc, yes in zip(accs, floats)]
 
 
 def _run(body, out_type, scratch, grid, args, interpret):
@@ -42,28 +57,36 @@ def _run(body, out_type, scratch, grid, args, interpret):
                         compiler_params=plgpu.CompilerParams(approx_math=True), **kw)(*args)
 
 
-def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=None,
-       interpret=None):
-    """dq [B, S, H, D] in q's dtype; `lists` are the query-major ones of the map.
-    Each step takes a whole key block."""
+def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
+       score_values=(None, None), interpret=None):
+    """dq [B, S, H, D] in q's dtype, and with a score's float q values their gradient
+    [B, H, n, S] f32 (zeros for non-float values); `lists` are the query-major ones
+    of the map. Each step takes a whole key block."""
     B, S, H, D = q.shape
     group = H // k.shape[2]
     dt = q.dtype
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
-    n_qa = 0 if qa is None else qa.shape[1]
-    n_ka = 0 if ka is None else ka.shape[1]
+    sq, skv = score_values
+    n_qa, n_ka, n_sq, n_skv = _counts(kmask, score_values)
+    q_floats = score.q_floats if n_sq else ()
+    d_values = any(q_floats)
     hw = interpret is None
     shape = (ROWS, BLOCK)
 
     def body(*refs):
-        (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, qa_ref, ka_ref, d_ref, refs = \
-            _unpack(refs, n_qa, n_ka, dense is not None)
-        dq_ref, q_smem, do_smem, ld_smem, k_smem, v_smem, *refs = refs
+        (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, arrays, refs = \
+            _unpack(refs, n_qa, n_ka, dense is not None, n_sq, n_skv)
+        qa_ref, ka_ref, d_ref, sq_ref, skv_ref = arrays
+        dq_ref, *refs = refs
+        dsq_ref = refs.pop(0) if d_values else None
+        q_smem, do_smem, ld_smem, k_smem, v_smem, *refs = refs
         qa_smem = refs.pop(0) if n_qa else None
         ka_smem = refs.pop(0) if n_ka else None
         d_smem = refs.pop(0) if dense is not None else None
-        in_ready, k_ready, v_ready, ka_ready, free, d_ready = refs
+        sq_smem = refs.pop(0) if n_sq else None
+        skv_smem = refs.pop(0) if n_skv else None
+        in_ready, k_ready, v_ready, ka_ready, free, d_ready, skv_ready = refs
 
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
         h_kv = h // group
@@ -84,19 +107,27 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
                 plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, rows],
                                         qa_smem.at[wg], in_ready.at[wg * 4 + 3])
                 plgpu.barrier_wait(in_ready.at[wg * 4 + 3])
+            if n_sq:
+                plgpu.copy_gmem_to_smem(sq_ref.at[_bh(sq, b, h) + (slice(None), rows)],
+                                        sq_smem.at[wg], in_ready.at[NWG * 4 + wg])
+                plgpu.barrier_wait(in_ready.at[NWG * 4 + wg])
             for x in range(3):
                 plgpu.barrier_wait(in_ready.at[wg * 4 + x])
             lse = row_vector(ld_smem.at[wg, 0], interpret)
             delta = row_vector(ld_smem.at[wg, 1], interpret)
             q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
+            q_words = [row_vector(sq_smem.at[wg, r], interpret) for r in range(n_sq)]
 
-            def step(s_i, acc):
+            def step(s_i, carry):
+                acc, d_sq = carry
                 slot = lax.rem(s_i, NSTAGE)
                 j, partial = walk.entry(s_i)
                 k0 = j * BLOCK
                 plgpu.barrier_wait(k_ready.at[slot])
                 if n_ka:
                     plgpu.barrier_wait(ka_ready.at[slot])
+                if n_skv:
+                    plgpu.barrier_wait(skv_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 s, dp = matmul_t2(qw, k_smem.at[slot], dow, v_smem.at[slot], shape, interpret)
                 q_pos = lambda: iota(shape, 0, q0)
@@ -115,20 +146,33 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
                         d = tile(d_smem.at[wg], interpret) != 0
                     return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
 
-                s, dmod = logits(s, scale=scale, score_mod=score_mod, b=b, h=h, q=q_pos,
-                                 kv=kv_pos, partial=partial, visible=visible, with_grad=True)
+                def values():
+                    return ([rows_of(x, shape) for x in q_words],
+                            [cols_of(col_vector(skv_smem.at[slot, r], interpret), shape)
+                             for r in range(n_skv)])
+
+                s, pull = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
+                                 values=values, partial=partial, visible=visible,
+                                 with_grad=True)
                 p = jnp.exp2(s - rows_of(lse, shape))
                 ds = p * (dp - rows_of(delta, shape))
-                if dmod is not None:
-                    ds = ds * dmod
+                if pull is not None:
+                    ds, g_rows, _ = pull(ds)
+                    if d_values:
+                        d_sq = _row_sums(d_sq, g_rows, q_floats)
                 acc = matmul_acc(acc, ds.astype(dt), k_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])
-                return acc
+                return acc, d_sq
 
-            acc = lax.fori_loop(0, steps, step, jnp.zeros((ROWS, D), F32))
+            zero_rows = [jnp.zeros((ROWS,), F32) for _ in q_floats if d_values]
+            acc, d_sq = lax.fori_loop(0, steps, step, (jnp.zeros((ROWS, D), F32), zero_rows))
             qw[...] = (acc * scale).astype(dt)
+            for r, x in enumerate(d_sq):   # (the values were read into registers above)
+                sq_smem.at[wg, r][...] = x
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(qw, dq_ref.at[b, rows, h])
+            if d_values:
+                plgpu.copy_smem_to_gmem(sq_smem.at[wg], dsq_ref.at[b, h, :, rows])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == NWG)
@@ -145,6 +189,9 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
                 if n_ka:
                     plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, keys],
                                             ka_smem.at[slot], ka_ready.at[slot])
+                if n_skv:
+                    plgpu.copy_gmem_to_smem(skv_ref.at[_bh(skv, b, h) + (slice(None), keys)],
+                                            skv_smem.at[slot], skv_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], v_smem.at[slot], v_ready.at[slot])
             lax.fori_loop(0, steps, issue, None)
             lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
@@ -153,24 +200,42 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
     scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NWG, ROWS, D), dt),
                plgpu.SMEM((NWG, 2, ROWS), F32),
                smem_tiled((NSTAGE, BLOCK, D), dt), smem_tiled((NSTAGE, BLOCK, D), dt)]
-    if n_qa:
-        scratch.append(plgpu.SMEM((NWG, n_qa, ROWS), jnp.int32))
-    if n_ka:
-        scratch.append(plgpu.SMEM((NSTAGE, n_ka, BLOCK), jnp.int32))
-    if dense is not None:
-        scratch.append(plgpu.SMEM((NWG, ROWS, BLOCK), jnp.int16))
-    scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
+    scratch += _value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, BLOCK),
+                              (ROWS, BLOCK))
+    scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
-                plgpu.Barrier(num_barriers=NWG)]
-    extra = [x for x in (qa, ka, dense) if x is not None]
-    return _run(body, jax.ShapeDtypeStruct(q.shape, dt), scratch, (B, H, S // BLOCK),
-                (q, k, v, do, lse_delta, *lists, *extra), interpret)
+                plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE)]
+    extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
+    out = [jax.ShapeDtypeStruct(q.shape, dt)]
+    if d_values:
+        out.append(jax.ShapeDtypeStruct((B, H, n_sq, S), F32))
+    got = _run(body, tuple(out), scratch, (B, H, S // BLOCK),
+               (q, k, v, do, lse_delta, *lists, *extra), interpret)
+    return got[0], (got[1] if d_values else None)
 
 
-def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=None,
-        interpret=None):
-    """(dk, dv) [B, S_kv, H, D] per query head, in k's dtype; `lists` are the
+def _value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_tile):
+    """SMEM for the mask arrays, the dense mask tile and the score value words: the q
+    side's and kv side's (count, positions) buffers per warpgroup or per stage."""
+    scratch = []
+    if n_qa:
+        scratch.append(plgpu.SMEM((q_side[0], n_qa, q_side[1]), jnp.int32))
+    if n_ka:
+        scratch.append(plgpu.SMEM((kv_side[0], n_ka, kv_side[1]), jnp.int32))
+    if kmask.dense is not None:
+        scratch.append(plgpu.SMEM((NWG,) + dense_tile, jnp.int16))
+    if n_sq:
+        scratch.append(plgpu.SMEM((q_side[0], n_sq, q_side[1]), F32))
+    if n_skv:
+        scratch.append(plgpu.SMEM((kv_side[0], n_skv, kv_side[1]), F32))
+    return scratch
+
+
+def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
+        score_values=(None, None), interpret=None):
+    """(dk, dv) [B, S_kv, H, D] per query head, in k's dtype, and with a score's float
+    kv values their gradient [B, H, m, S_kv] f32 (else None); `lists` are the
     key-major ones of the map (q_num_blocks, q_indices, full_q_*). A dense mask term
     must come transposed: [B|1, H|1, S_kv, S_q]."""
     B, S, H, D = q.shape
@@ -179,19 +244,26 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
     dt = q.dtype
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
-    n_qa = 0 if qa is None else qa.shape[1]
-    n_ka = 0 if ka is None else ka.shape[1]
+    sq, skv = score_values
+    n_qa, n_ka, n_sq, n_skv = _counts(kmask, score_values)
+    kv_floats = score.kv_floats if n_skv else ()
+    d_values = any(kv_floats)
     hw = interpret is None
     shape = (ROWS, HALF)                  # rows: keys, columns: queries
 
     def body(*refs):
-        (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, qa_ref, ka_ref, d_ref, refs = \
-            _unpack(refs, n_qa, n_ka, dense is not None)
-        dk_ref, dv_ref, k_smem, v_smem, q_smem, do_smem, ld_smem, *refs = refs
+        (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, arrays, refs = \
+            _unpack(refs, n_qa, n_ka, dense is not None, n_sq, n_skv)
+        qa_ref, ka_ref, d_ref, sq_ref, skv_ref = arrays
+        dk_ref, dv_ref, *refs = refs
+        dskv_ref = refs.pop(0) if d_values else None
+        k_smem, v_smem, q_smem, do_smem, ld_smem, *refs = refs
         qa_smem = refs.pop(0) if n_qa else None
         ka_smem = refs.pop(0) if n_ka else None
         d_smem = refs.pop(0) if dense is not None else None
-        in_ready, q_ready, do_ready, ld_ready, qa_ready, free, d_ready = refs
+        sq_smem = refs.pop(0) if n_sq else None
+        skv_smem = refs.pop(0) if n_skv else None
+        in_ready, q_ready, do_ready, ld_ready, qa_ready, free, d_ready, sq_ready = refs
 
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
         h_kv = h // group
@@ -211,12 +283,17 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
                 plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, keys],
                                         ka_smem.at[wg], in_ready.at[wg * 4 + 2])
                 plgpu.barrier_wait(in_ready.at[wg * 4 + 2])
+            if n_skv:
+                plgpu.copy_gmem_to_smem(skv_ref.at[_bh(skv, b, h) + (slice(None), keys)],
+                                        skv_smem.at[wg], in_ready.at[wg * 4 + 3])
+                plgpu.barrier_wait(in_ready.at[wg * 4 + 3])
             plgpu.barrier_wait(in_ready.at[wg * 4 + 0])
             plgpu.barrier_wait(in_ready.at[wg * 4 + 1])
             kv_vals = [row_vector(ka_smem.at[wg, r], interpret) for r in range(n_ka)]
+            kv_words = [row_vector(skv_smem.at[wg, r], interpret) for r in range(n_skv)]
 
             def step(s_i, carry):
-                dk, dv = carry
+                dk, dv, d_skv = carry
                 slot = lax.rem(s_i, NSTAGE)
                 j, partial = walk.entry(s_i // 2)
                 q0 = j * BLOCK + lax.rem(s_i, 2) * HALF
@@ -224,6 +301,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
                 plgpu.barrier_wait(ld_ready.at[slot])
                 if n_qa:
                     plgpu.barrier_wait(qa_ready.at[slot])
+                if n_sq:
+                    plgpu.barrier_wait(sq_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
                 st, dpt = matmul_t2(kw_, q_smem.at[slot], vw, do_smem.at[slot], shape, interpret)
                 q_pos = lambda: iota(shape, 1, q0)
@@ -242,25 +321,38 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
                         d = tile(d_smem.at[wg], interpret) != 0
                     return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
 
-                st, dmod = logits(st, scale=scale, score_mod=score_mod, b=b, h=h, q=q_pos,
-                                  kv=kv_pos, partial=partial, visible=visible, with_grad=True)
+                def values():
+                    return ([cols_of(col_vector(sq_smem.at[slot, r], interpret), shape)
+                             for r in range(n_sq)],
+                            [rows_of(x, shape) for x in kv_words])
+
+                st, pull = logits(st, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
+                                  values=values, partial=partial, visible=visible,
+                                  with_grad=True)
                 pt = jnp.exp2(st - cols_of(col_vector(ld_smem.at[slot, 0], interpret), shape))
                 dst = pt * (dpt - cols_of(col_vector(ld_smem.at[slot, 1], interpret), shape))
-                if dmod is not None:
-                    dst = dst * dmod
+                if pull is not None:
+                    dst, _, g_cols = pull(dst)
+                    if d_values:
+                        d_skv = _row_sums(d_skv, g_cols, kv_floats)
                 dst = dst.astype(dt)
                 dv, dk = matmul_acc2(dv, pt.astype(dt), do_smem.at[slot],
                                      dk, dst, q_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])
-                return dk, dv
+                return dk, dv, d_skv
 
             zero = jnp.zeros((ROWS, D), F32)
-            dk, dv = lax.fori_loop(0, steps, step, (zero, zero))
+            zero_rows = [jnp.zeros((ROWS,), F32) for _ in kv_floats if d_values]
+            dk, dv, d_skv = lax.fori_loop(0, steps, step, (zero, zero, zero_rows))
             kw_[...] = (dk * scale).astype(dt)
             vw[...] = dv.astype(dt)
+            for r, x in enumerate(d_skv):   # (the values were read into registers above)
+                skv_smem.at[wg, r][...] = x
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(kw_, dk_ref.at[b, keys, h])
             plgpu.copy_smem_to_gmem(vw, dv_ref.at[b, keys, h])
+            if d_values:
+                plgpu.copy_smem_to_gmem(skv_smem.at[wg], dskv_ref.at[b, h, :, keys])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == NWG)
@@ -279,6 +371,9 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
                 if n_qa:
                     plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, rows],
                                             qa_smem.at[slot], qa_ready.at[slot])
+                if n_sq:
+                    plgpu.copy_gmem_to_smem(sq_ref.at[_bh(sq, b, h) + (slice(None), rows)],
+                                            sq_smem.at[slot], sq_ready.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
             lax.fori_loop(0, steps, issue, None)
             lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
@@ -287,18 +382,16 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
     scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NWG, ROWS, D), dt),
                smem_tiled((NSTAGE, HALF, D), dt), smem_tiled((NSTAGE, HALF, D), dt),
                plgpu.SMEM((NSTAGE, 2, HALF), F32)]
-    if n_qa:
-        scratch.append(plgpu.SMEM((NSTAGE, n_qa, HALF), jnp.int32))
-    if n_ka:
-        scratch.append(plgpu.SMEM((NWG, n_ka, ROWS), jnp.int32))
-    if dense is not None:
-        scratch.append(plgpu.SMEM((NWG, ROWS, HALF), jnp.int16))
+    scratch += _value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NSTAGE, HALF), (NWG, ROWS),
+                              (ROWS, HALF))
     scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
-                plgpu.Barrier(num_barriers=NWG)]
-    extra = [x for x in (qa, ka, dense) if x is not None]
+                plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE)]
+    extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
     out = jax.ShapeDtypeStruct((B, S_kv, H, D), dt)
-    return _run(body, (out, out), scratch, (B, H, S_kv // BLOCK),
-                (q, k, v, do, lse_delta, *lists, *extra), interpret)
+    outs = (out, out) + ((jax.ShapeDtypeStruct((B, H, n_skv, S_kv), F32),) if d_values else ())
+    got = _run(body, outs, scratch, (B, H, S_kv // BLOCK),
+               (q, k, v, do, lse_delta, *lists, *extra), interpret)
+    return got[0], got[1], (got[2] if d_values else None)

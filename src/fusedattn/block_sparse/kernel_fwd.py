@@ -20,15 +20,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
-from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, cols_of, iota, logits,
-                           matmul_acc, matmul_t, row_vector, rows_of, smem_tiled, tile,
-                           col_vector)
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, bh_index as _bh, col_vector,
+                           cols_of, iota, logits, matmul_acc, matmul_t, row_vector, rows_of,
+                           smem_tiled, tile)
 
 
-def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score_mod=None,
-            interpret=None):
+def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
+            score_values=(None, None), interpret=None):
     """q [B, S, H, D], k/v [B, S_kv, H_kv, D]; `lists` = (kv_num_blocks, kv_indices,
-    full_kv_num_blocks, full_kv_indices) of a 128x128 map. -> (out, lse2 [B, H, S])."""
+    full_kv_num_blocks, full_kv_indices) of a 128x128 map; `score` a
+    `kernel_score.ScoreFn` or None, `score_values` its (q, kv) value words or None.
+    -> (out, lse2 [B, H, S])."""
     B, S, H, D = q.shape
     H_kv = k.shape[2]
     group = H // H_kv
@@ -38,8 +40,12 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score_mod=None,
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
     n_qa = 0 if qa is None else qa.shape[1]
     n_ka = 0 if ka is None else ka.shape[1]
-    extra = [x for x in (qa, ka, dense) if x is not None]
+    sq, skv = score_values
+    n_sq = 0 if sq is None else sq.shape[2]
+    n_skv = 0 if skv is None else skv.shape[2]
+    extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
     hw = interpret is None
+    per_block = n_ka or n_skv  # arrays beside K: K's slot is freed after the mask
 
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
@@ -47,11 +53,16 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score_mod=None,
         qa_ref = refs.pop(0) if n_qa else None
         ka_ref = refs.pop(0) if n_ka else None
         d_ref = refs.pop(0) if dense is not None else None
+        sq_ref = refs.pop(0) if n_sq else None
+        skv_ref = refs.pop(0) if n_skv else None
         o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
         qa_smem = refs.pop(0) if n_qa else None
         ka_smem = refs.pop(0) if n_ka else None
         d_smem = refs.pop(0) if dense is not None else None
-        q_ready, k_ready, v_ready, k_free, v_free, sched, a_ready, ka_ready, d_ready = refs
+        sq_smem = refs.pop(0) if n_sq else None
+        skv_smem = refs.pop(0) if n_skv else None
+        (q_ready, k_ready, v_ready, k_free, v_free, sched, a_ready, ka_ready, d_ready,
+         s_ready, skv_ready) = refs
 
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
         t = n_tiles - 1 - t                       # heavy (late causal) tiles first
@@ -74,9 +85,14 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score_mod=None,
                 plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, pl.ds(q0, ROWS)],
                                         qa_smem.at[wg], a_ready.at[wg])
                 plgpu.barrier_wait(a_ready.at[wg])
+            if n_sq:
+                plgpu.copy_gmem_to_smem(sq_ref.at[_bh(sq, b, h) + (slice(None), pl.ds(q0, ROWS))],
+                                        sq_smem.at[wg], s_ready.at[wg])
+                plgpu.barrier_wait(s_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
             shape = (ROWS, BLOCK)
             q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
+            q_words = [row_vector(sq_smem.at[wg, r], interpret) for r in range(n_sq)]
             if hw:
                 pl.when(wg == 1)(sched_sync)
 
@@ -87,8 +103,10 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score_mod=None,
                 plgpu.barrier_wait(k_ready.at[slot])
                 if n_ka:
                     plgpu.barrier_wait(ka_ready.at[slot])
+                if n_skv:
+                    plgpu.barrier_wait(skv_ready.at[slot])
                 s = matmul_t(qw, k_smem.at[slot], shape, interpret, sched_sync if hw else None)
-                if not n_ka:
+                if not per_block:
                     plgpu.barrier_arrive(k_free.at[slot])
                 q_pos = lambda: iota(shape, 0, q0)
                 kv_pos = lambda: iota(shape, 1, j * BLOCK)
@@ -107,9 +125,14 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score_mod=None,
                         d = tile(d_smem.at[wg], interpret) != 0
                     return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
 
-                s, _ = logits(s, scale=scale, score_mod=score_mod, b=b, h=h, q=q_pos,
-                              kv=kv_pos, partial=partial, visible=visible)
-                if n_ka:
+                def values():
+                    return ([rows_of(x, shape) for x in q_words],
+                            [cols_of(col_vector(skv_smem.at[slot, r], interpret), shape)
+                             for r in range(n_skv)])
+
+                s, _ = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
+                              values=values, partial=partial, visible=visible)
+                if per_block:
                     plgpu.barrier_arrive(k_free.at[slot])
                 m_new = jnp.maximum(m, s.max(axis=1))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no -inf - -inf
@@ -156,6 +179,9 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score_mod=None,
                 if n_ka:
                     plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, rows],
                                             ka_smem.at[slot], ka_ready.at[slot])
+                if n_skv:
+                    plgpu.copy_gmem_to_smem(skv_ref.at[_bh(skv, b, h) + (slice(None), rows)],
+                                            skv_smem.at[slot], skv_ready.at[slot])
                 pl.when(i >= NSTAGE)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                 plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h_kv], v_smem.at[slot], v_ready.at[slot])
             lax.fori_loop(0, n, issue, None)
@@ -174,12 +200,17 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score_mod=None,
         scratch.append(plgpu.SMEM((NSTAGE, n_ka, BLOCK), jnp.int32))
     if dense is not None:
         scratch.append(plgpu.SMEM((NWG, ROWS, BLOCK), jnp.int16))
+    if n_sq:
+        scratch.append(plgpu.SMEM((NWG, n_sq, ROWS), F32))
+    if n_skv:
+        scratch.append(plgpu.SMEM((NSTAGE, n_skv, BLOCK), F32))
     scratch += [plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG), plgpu.Barrier(num_barriers=NWG),
-                plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NWG)]
+                plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NWG),
+                plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE)]
     kw = {} if interpret is None else {"interpret": interpret}
     return plgpu.kernel(
         body,

@@ -16,6 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .kernel_score import apply
+
 LOG2E = math.log2(math.e)
 F32 = jnp.float32
 # Two compute warpgroups of 64 rows own a 128-row tile: the map's block size.
@@ -94,6 +96,11 @@ def cols_of(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
+def bh_index(x, b, h):
+    """The (batch, head) index into an array ``[B|1, H|1, ...]`` (0 where broadcast)."""
+    return (b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0)
+
+
 def iota(shape, dim, start):
     return start + lax.broadcasted_iota(jnp.int32, shape, dim)
 
@@ -117,19 +124,17 @@ class Lists:
         return jnp.where(partial, jp, jf), partial
 
 
-def logits(s, *, scale, score_mod, b, h, q, kv, partial, visible, with_grad=False):
-    """Raw q.k -> base-2 logits, -inf where masked. `visible()` evaluates the element
-    mask; it runs only in partial blocks. With `with_grad`, also d score_mod / d score."""
-    d = None
-    if score_mod is None:
+def logits(s, *, scale, score, b, h, q, kv, values, partial, visible, with_grad=False):
+    """Raw q.k -> base-2 logits, -inf where masked. `score`: a `kernel_score.ScoreFn` or
+    None; `values()` gives its (q, kv) value tiles. `visible()` evaluates the element
+    mask; it runs only in partial blocks. With `with_grad`, also the score's pullback
+    (`kernel_score.apply`; None without a score)."""
+    pull = None
+    if score is None:
         s = s * (scale * LOG2E)
     else:
-        x = s * scale
-        f = lambda x: score_mod(x, b, h, q(), kv()).astype(F32)
-        if with_grad:
-            y, d = jax.jvp(f, (x,), (jnp.ones_like(x),))
-        else:
-            y = f(x)
+        q_tiles, kv_tiles = values()
+        y, pull = apply(score, s * scale, b, h, q(), kv(), q_tiles, kv_tiles, with_grad)
         s = y * LOG2E
     s = lax.cond(partial, lambda s: jnp.where(visible(), s, -jnp.inf), lambda s: s, s)
-    return s, d
+    return s, pull

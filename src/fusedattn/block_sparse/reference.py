@@ -11,6 +11,7 @@ from jax import lax
 
 from .kernel_mask import KernelMask
 from .kernel_parts import BLOCK, F32, LOG2E
+from .kernel_score import apply
 
 
 def _walk(lists, b, h, t):
@@ -32,22 +33,33 @@ def _vals(arrays, b, start, axis):
     return [x[:, None] if axis == 0 else x[None, :] for x in a]
 
 
-def _logits(qt, kt, *, kmask, scale, score_mod, b, h, q0, k0, partial):
-    """Base-2 logits of one (query block, key block) pair, -inf where masked, and
-    d score_mod / d score (None without one)."""
+def _words(values, b, h, start, axis):
+    """Score value words for BLOCK positions from `start`, as full tiles along rows
+    (axis 0) or columns."""
+    if values is None:
+        return []
+    a = lax.dynamic_slice_in_dim(values[b if values.shape[0] > 1 else 0,
+                                        h if values.shape[1] > 1 else 0], start, BLOCK, axis=1)
+    return [jnp.broadcast_to(x[:, None] if axis == 0 else x[None, :], (BLOCK, BLOCK)) for x in a]
+
+
+def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial):
+    """Base-2 logits of one (query block, key block) pair, -inf where masked, and the
+    score's pullback (`kernel_score.apply`; None without a score)."""
     q = q0 + jnp.arange(BLOCK)[:, None]
     kv = k0 + jnp.arange(BLOCK)[None, :]
     s = jnp.dot(qt, kt.T, preferred_element_type=F32) * scale
-    d = None
-    if score_mod is not None:
-        s, d = jax.jvp(lambda x: score_mod(x, b, h, q, kv).astype(F32), (s,), (jnp.ones_like(s),))
+    pull = None
+    if score is not None:
+        tiles = (_words(values[0], b, h, q0, 0), _words(values[1], b, h, k0, 1))
+        s, pull = apply(score, s, b, h, q, kv, *tiles, with_grad=True)
     qv, kvv = _vals(kmask.q_arrays, b, q0, 0), _vals(kmask.kv_arrays, b, k0, 1)
     dense = None
     if kmask.dense is not None:
         m = kmask.dense[b if kmask.dense.shape[0] > 1 else 0, h if kmask.dense.shape[1] > 1 else 0]
         dense = lax.dynamic_slice(m, (q0, k0), (BLOCK, BLOCK)) != 0
     visible = kmask.fn(b, h, q, kv, qv, kvv, dense) | jnp.logical_not(partial)
-    return jnp.where(visible, s * LOG2E, -jnp.inf), d
+    return jnp.where(visible, s * LOG2E, -jnp.inf), pull
 
 
 def _grid(fn, B, H, T):
@@ -55,7 +67,8 @@ def _grid(fn, B, H, T):
         jnp.arange(B), jnp.arange(H), jnp.arange(T))
 
 
-def forward(q, k, v, lists, kmask: KernelMask, *, scale, score_mod=None):
+def forward(q, k, v, lists, kmask: KernelMask, *, scale, score=None,
+            score_values=(None, None)):
     B, S, H, D = q.shape
     group = H // k.shape[2]
 
@@ -69,8 +82,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale, score_mod=None):
             j, partial = entry(i)
             kt = lax.dynamic_slice_in_dim(k[b, :, h // group], j * BLOCK, BLOCK)
             vt = lax.dynamic_slice_in_dim(v[b, :, h // group], j * BLOCK, BLOCK)
-            s, _ = _logits(qt, kt, kmask=kmask, scale=scale, score_mod=score_mod, b=b, h=h,
-                           q0=q0, k0=j * BLOCK, partial=partial)
+            s, _ = _logits(qt, kt, kmask=kmask, scale=scale, score=score, values=score_values,
+                           b=b, h=h, q0=q0, k0=j * BLOCK, partial=partial)
             m_new = jnp.maximum(m, s.max(1))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             alpha = jnp.exp2(m - m_safe)
@@ -90,16 +103,32 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale, score_mod=None):
 
 
 def _probs(qt, kt, dot, vt, lse, delta, **kw):
-    s, d = _logits(qt, kt, **kw)
+    """(P, dS, the score's float q values' gradients summed over keys, its float kv
+    values' summed over queries)."""
+    s, pull = _logits(qt, kt, **kw)
     p = jnp.exp2(s - lse[:, None])
     dp = jnp.dot(dot, vt.T, preferred_element_type=F32)
     ds = p * (dp - delta[:, None])
-    return p, ds if d is None else ds * d
+    if pull is None:
+        return p, ds, [], []
+    ds, g_q, g_kv = pull(ds)
+    return p, ds, [g.sum(1) for g in g_q], [g.sum(0) for g in g_kv]
 
 
-def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=None):
+def _scatter(floats, grads, n):
+    """Per-slot gradients [n, BLOCK] (zeros where a value is not a float)."""
+    grads = iter(grads)
+    return jnp.stack([next(grads) if yes else jnp.zeros((BLOCK,), F32) for yes in floats]) \
+        if floats else jnp.zeros((n, BLOCK), F32)
+
+
+def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
+       score_values=(None, None)):
+    """(dq, the float q values' gradient [B, H, n, S] or None), like the kernel."""
     B, S, H, D = q.shape
     group = H // k.shape[2]
+    sq = score_values[0]
+    floats = score.q_floats if sq is not None else ()
 
     def tile(b, h, t):
         n, entry = _walk(lists, b, h, t)
@@ -108,24 +137,35 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=Non
         qt, dot = rows(q[b, :, h]), rows(do[b, :, h])
         lse, delta = rows(lse_delta[b, h, 0]), rows(lse_delta[b, h, 1])
 
-        def step(i, acc):
+        def step(i, carry):
+            acc, dv = carry
             j, partial = entry(i)
             kt = lax.dynamic_slice_in_dim(k[b, :, h // group], j * BLOCK, BLOCK)
             vt = lax.dynamic_slice_in_dim(v[b, :, h // group], j * BLOCK, BLOCK)
-            _, ds = _probs(qt, kt, dot, vt, lse, delta, kmask=kmask, scale=scale,
-                           score_mod=score_mod, b=b, h=h, q0=q0, k0=j * BLOCK, partial=partial)
-            return acc + jnp.dot(ds.astype(q.dtype), kt, preferred_element_type=F32)
+            _, ds, g_q, _ = _probs(qt, kt, dot, vt, lse, delta, kmask=kmask, scale=scale,
+                                   score=score, values=score_values, b=b, h=h, q0=q0,
+                                   k0=j * BLOCK, partial=partial)
+            acc = acc + jnp.dot(ds.astype(q.dtype), kt, preferred_element_type=F32)
+            return acc, dv + _scatter(floats, g_q, len(floats))
 
-        return (lax.fori_loop(0, n, step, jnp.zeros((BLOCK, D), F32)) * scale).astype(q.dtype)
+        init = (jnp.zeros((BLOCK, D), F32), jnp.zeros((len(floats), BLOCK), F32))
+        acc, dv = lax.fori_loop(0, n, step, init)
+        return (acc * scale).astype(q.dtype), dv
 
-    return _grid(tile, B, H, S // BLOCK).reshape(B, H, S, D).transpose(0, 2, 1, 3)
+    dq_, dv = _grid(tile, B, H, S // BLOCK)
+    dv = dv.transpose(0, 1, 3, 2, 4).reshape(B, H, len(floats), S) if any(floats) else None
+    return dq_.reshape(B, H, S, D).transpose(0, 2, 1, 3), dv
 
 
-def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=None):
-    """Per query head, like the kernel; `kmask` is the forward's (not transposed)."""
+def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
+        score_values=(None, None)):
+    """(dk, dv, the float kv values' gradient [B, H, m, S_kv] or None) per query head,
+    like the kernel; `kmask` is the forward's (not transposed)."""
     B, S, H, D = q.shape
     S_kv = k.shape[1]
     group = H // k.shape[2]
+    skv = score_values[1]
+    floats = score.kv_floats if skv is not None else ()
 
     def tile(b, h, t):
         n, entry = _walk(lists, b, h, t)
@@ -134,21 +174,23 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score_mod=No
         vt = lax.dynamic_slice_in_dim(v[b, :, h // group], k0, BLOCK)
 
         def step(i, carry):
-            dk, dv = carry
+            dk, dv, dw = carry
             j, partial = entry(i)
             rows = lambda x: lax.dynamic_slice_in_dim(x, j * BLOCK, BLOCK)
             qt, dot = rows(q[b, :, h]), rows(do[b, :, h])
-            p, ds = _probs(qt, kt, dot, vt, rows(lse_delta[b, h, 0]), rows(lse_delta[b, h, 1]),
-                           kmask=kmask, scale=scale, score_mod=score_mod, b=b, h=h,
-                           q0=j * BLOCK, k0=k0, partial=partial)
+            p, ds, _, g_kv = _probs(qt, kt, dot, vt, rows(lse_delta[b, h, 0]),
+                                    rows(lse_delta[b, h, 1]), kmask=kmask, scale=scale,
+                                    score=score, values=score_values, b=b, h=h,
+                                    q0=j * BLOCK, k0=k0, partial=partial)
             dv = dv + jnp.dot(p.T.astype(q.dtype), dot, preferred_element_type=F32)
             dk = dk + jnp.dot(ds.T.astype(q.dtype), qt, preferred_element_type=F32)
-            return dk, dv
+            return dk, dv, dw + _scatter(floats, g_kv, len(floats))
 
         zero = jnp.zeros((BLOCK, D), F32)
-        dk, dv = lax.fori_loop(0, n, step, (zero, zero))
-        return (dk * scale).astype(q.dtype), dv.astype(q.dtype)
+        dk, dv, dw = lax.fori_loop(0, n, step, (zero, zero, jnp.zeros((len(floats), BLOCK), F32)))
+        return (dk * scale).astype(q.dtype), dv.astype(q.dtype), dw
 
-    dk, dv = _grid(tile, B, H, S_kv // BLOCK)
+    dk, dv, dw = _grid(tile, B, H, S_kv // BLOCK)
     fix = lambda x: x.reshape(B, H, S_kv, D).transpose(0, 2, 1, 3)
-    return fix(dk), fix(dv)
+    dw = dw.transpose(0, 1, 3, 2, 4).reshape(B, H, len(floats), S_kv) if any(floats) else None
+    return fix(dk), fix(dv), dw

@@ -1,0 +1,97 @@
+"""Jaxprs as flat lists of equations, and their evaluation in primitives a Mosaic GPU
+kernel lowers.
+
+`hoisting` splits a mask_mod's or score_mod's flat equations; `plain` evaluates a
+function (a score_mod's derivative) inside a kernel. JAX's derivatives emit
+``add_any`` to sum cotangents, and calls (pjit, custom_jvp) wrap library functions;
+the Mosaic GPU lowering has no rule for ``add_any``, so `plain` inlines every call
+and adds with ``lax.add``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Tuple
+
+import jax
+import numpy as np
+from jax.extend.core import Literal
+
+_INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                     "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint"})
+
+
+class Eqn(NamedTuple):
+    prim: object
+    params: dict
+    ins: tuple
+    outs: tuple
+
+
+class Var:
+    """A fresh variable: an inlined call's values get one per call site."""
+    def __init__(self, aval):
+        self.aval = aval
+
+
+def flatten(closed) -> Tuple[List[Eqn], Dict, Dict]:
+    """(equations with calls inlined and every output renamed, {constant variable:
+    value}, {the jaxpr's own variables: their names}) of a ClosedJaxpr. Constants
+    that are NumPy values stay NumPy (usable at trace time)."""
+    jaxpr = closed.jaxpr
+    env = {v: v for v in jaxpr.invars}
+    eqns: List[Eqn] = []
+    consts: Dict = {}
+    _constants(jaxpr, closed.consts, env, consts)
+    _flatten(jaxpr, env, consts, eqns)
+    return eqns, consts, env
+
+
+def name_of(env, v):
+    return v if isinstance(v, Literal) else env[v]
+
+
+def value_of(env, v):
+    return np.asarray(v.val, v.aval.dtype) if isinstance(v, Literal) else env[v]
+
+
+def plain(fn, *args):
+    """``fn(*args)`` evaluated from its jaxpr, calls inlined and ``add_any`` as
+    ``lax.add`` (see the module doc). `args` may be tracers of an enclosing trace."""
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    eqns, consts, env = flatten(closed)
+    values = dict(consts)
+    values.update((env[v], x) for v, x in zip(closed.jaxpr.invars,
+                                              jax.tree_util.tree_leaves(args)))
+    for e in eqns:
+        ins = [value_of(values, v) for v in e.ins]
+        if e.prim.name == "add_any":
+            outs = jax.lax.add(*ins)
+        else:
+            params = e.prim.get_bind_params(e.params)
+            sub, params = params if isinstance(params, tuple) else ((), params)  # older JAX
+            outs = e.prim.bind(*sub, *ins, **params)
+        values.update(zip(e.outs, outs if e.prim.multiple_results else [outs]))
+    outs = [value_of(values, name_of(env, v)) for v in closed.jaxpr.outvars]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
+
+
+def _flatten(jaxpr, env, consts, eqns):
+    for eqn in jaxpr.eqns:
+        ins = tuple(name_of(env, v) for v in eqn.invars)
+        sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
+                    if k in eqn.params), None)
+        if eqn.primitive.name in _INLINE and sub is not None:
+            inner = getattr(sub, "jaxpr", sub)
+            inner_env = dict(zip(inner.invars, ins))
+            _constants(inner, getattr(sub, "consts", ()), inner_env, consts)
+            _flatten(inner, inner_env, consts, eqns)
+            env.update((o, name_of(inner_env, i)) for o, i in zip(eqn.outvars, inner.outvars))
+        else:
+            outs = tuple(Var(v.aval) for v in eqn.outvars)
+            env.update(zip(eqn.outvars, outs))
+            eqns.append(Eqn(eqn.primitive, eqn.params, ins, outs))
+
+
+def _constants(jaxpr, values, env, consts):
+    for v, c in zip(jaxpr.constvars, values):
+        env[v] = Var(v.aval)
+        consts[env[v]] = np.asarray(c) if isinstance(c, (np.ndarray, np.generic)) else c

@@ -1,0 +1,113 @@
+"""score_mods that read arrays, in the block-sparse kernels' form (`kernel_score`):
+values read per row, per column or per (batch, head) are hoisted, the tiles run the
+rest, and the backward returns the float values' gradients, which reach the args.
+On CPU `block_sparse.reference` runs the same split and pullback as the kernels;
+each case is checked against the float64 oracle for the output, lse, dq, dk, dv
+and every float arg's gradient, under GQA, a sparse mask and a length that is not
+a multiple of the block."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from support.block_sparse_cases import (SCORE_VALUE_MODS, dense_visibility, doc_ids, oracle,
+                                        rel_error, score_value_args)
+from fusedattn import block_sparse as bs
+from fusedattn.block_sparse import kernel_score
+from fusedattn.block_sparse.attention import (block_sparse_attention,
+                                              block_sparse_attention_with_lse)
+from fusedattn.block_sparse.hoisting import Unsupported
+
+B, S, H, H_KV, D = 2, 200, 4, 2, 32
+DOCS = jnp.asarray(doc_ids(B, S, [50, 90, 60]))  # [B, S] int32 ids in 1..4, unsorted
+MODS = SCORE_VALUE_MODS
+
+
+def _args(name):
+    return score_value_args(name, DOCS, H)
+
+
+def _inputs():
+    keys = jax.random.split(jax.random.key(0), 4)
+    return [jax.random.normal(kk, (B, S, hh, D), jnp.float32)
+            for kk, hh in zip(keys, (H, H_KV, H_KV, H))]
+
+
+def _same_doc_causal(b, h, i, j, *args):
+    return (DOCS[b, i] == DOCS[b, j]) & (j <= i)
+
+
+def _map(mask):
+    if mask == "causal":
+        return bs.block_map(None, 1, 1, S, S, mask="causal", block=(128, 128))
+    return bs.block_map(lambda b, h, i, j, doc: (doc[b, i] == doc[b, j]) & (j <= i), B, 1, S, S,
+                        args=(DOCS,), block=(128, 128))
+
+
+@pytest.mark.parametrize("mask", ["causal", "documents_causal"])
+@pytest.mark.parametrize("name", sorted(MODS))
+def test_matches_oracle_with_arg_gradients(name, mask):
+    q, k, v, do = _inputs()
+    args, mod = _args(name), MODS[name]
+    bm = _map(mask)
+    floats = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
+
+    def run(q, k, v, *fargs):
+        full = list(args)
+        for i, a in zip(floats, fargs):
+            full[i] = a
+        return block_sparse_attention(q, k, v, bm, score_mod=mod, score_mod_args=tuple(full),
+                                      implementation="reference")
+    out, vjp = jax.vjp(run, q, k, v, *[args[i] for i in floats])
+    grads = vjp(do)
+    _, lse = block_sparse_attention_with_lse(q, k, v, bm, score_mod=mod, score_mod_args=args,
+                                             implementation="reference")
+    ref_out, ref_lse, ref_grads = oracle(q, k, v, dense_visibility(bm, B, H, S), D ** -0.5,
+                                         mod, do, args=args)
+    assert rel_error(out, ref_out) < 1e-4
+    np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=1e-4)
+    for g, r in zip(grads[:3], ref_grads[:3]):
+        assert rel_error(g, r) < 1e-4
+    for g, i in zip(grads[3:], floats):
+        assert rel_error(g, ref_grads[3 + i]) < 1e-4, f"the gradient of arg {i}"
+
+
+def test_values_are_hoisted_per_side_and_kind():
+    specs = lambda args: [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]  # noqa: E731
+    cases = {"document_scale": ((True,), ()), "key_bias": ((), (True,)),
+             "alibi": ((True,), ()), "packed_distance": ((False,), (False,))}
+    for name, floats in cases.items():
+        split = kernel_score.split(MODS[name], specs(_args(name)), B, H, S, S)
+        assert split.floats == floats, name
+        assert split.by_position == (name != "alibi"), name
+        rows, cols = split.values(_args(name))
+        assert all(x.dtype == jnp.float32 and x.shape[2] == S for x in rows + cols)
+    # a score_mod that reads no array has no split
+    assert kernel_score.split(lambda s, b, h, i, j, t: s * 2.0, specs(_args("alibi")),
+                              B, H, S, S) is None
+
+
+def test_integer_values_stay_exact():
+    """Ids past float32's 24-bit mantissa survive: integers travel bit-cast."""
+    big = jnp.full((B, S), 2 ** 26 + 1, jnp.int32).at[:, S // 2:].set(2 ** 26)
+    mod = lambda s, b, h, i, j, ids: jnp.where(ids[b, i] == ids[b, j], s, s - 5.0)  # noqa: E731
+    split = kernel_score.split(mod, [jax.ShapeDtypeStruct(big.shape, big.dtype)], B, H, S, S)
+    rows, cols = split.values((big,))
+    q_idx, kv_idx = jnp.arange(S)[:, None], jnp.arange(S)[None, :]
+    got = split(jnp.zeros((S, S)), 0, 0, q_idx, kv_idx, [rows[0][0, 0][:, None]],
+                [cols[0][0, 0][None, :]])
+    want = jnp.where(big[0][:, None] == big[0][None, :], 0.0, -5.0)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("fn, words", [
+    (lambda s, b, h, i, j, t: s + t[h, jnp.minimum(jnp.abs(i - j), 7)],
+     "depends on both q_idx and kv_idx"),
+    (lambda s, b, h, i, j, t: s + t[(s > 0).astype(jnp.int32), 0], "depends on the score"),
+])
+def test_reads_with_no_in_kernel_form_are_refused(fn, words):
+    table = jnp.ones((8, 8), jnp.float32)
+    with pytest.raises(Unsupported, match=words):
+        kernel_score.split(fn, [jax.ShapeDtypeStruct(table.shape, table.dtype)], B, H, S, S)
