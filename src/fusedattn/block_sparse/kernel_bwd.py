@@ -1,9 +1,9 @@
 """Block-sparse attention backward as two Pallas Mosaic GPU kernels (Hopper).
 
-`dq` walks the query-major lists (per 128-query tile, its key blocks, a whole
-block a step) and `dkv` the key-major ones (per 128-key tile, its query blocks,
-half a block a step: two 64x64 score tiles and the dk / dv accumulators fill the
-register budget). Neither needs atomics, so both are deterministic; adding dq
+`dq` walks the query-major lists (per 128-query tile, its key blocks) and `dkv`
+the key-major ones (per 128-key tile, its query blocks), both half a block a step:
+the two score tiles, the accumulators and a score_mod's tiles fill the register
+budget (at whole blocks a score_mod spilled: 2-6x slower dq). Neither needs atomics, so both are deterministic; adding dq
 from the dkv kernel with TMA reduce-adds measured slower (docs/decisions.md).
 Each step issues its two score products (S and dP) together, with one wait.
 `lse_delta` is ``[B, H, 2, S]`` f32: the base-2 lse (+inf on rows with no key,
@@ -61,7 +61,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
        score_values=(None, None), interpret=None):
     """dq [B, S, H, D] in q's dtype, and with a score's float q values their gradient
     [B, H, n, S] f32 (zeros for non-float values); `lists` are the query-major ones
-    of the map. Each step takes a whole key block."""
+    of the map. Each step takes half a key block."""
     B, S, H, D = q.shape
     group = H // k.shape[2]
     dt = q.dtype
@@ -72,7 +72,11 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     q_floats = score.q_floats if n_sq else ()
     d_values = any(q_floats)
     hw = interpret is None
-    shape = (ROWS, BLOCK)
+    # Half a key block a step: at whole blocks a score_mod's tiles (positions, its
+    # derivative, its values' gradients) spill registers; plain masks run alike at both.
+    width = HALF
+    per = BLOCK // width
+    shape = (ROWS, width)
 
     def body(*refs):
         (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, arrays, refs = \
@@ -91,7 +95,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
         h_kv = h // group
         walk = Lists(list_refs, b, h, t, mb, mh)
-        steps = walk.count
+        steps = walk.count * per
 
         @pl.when(wg < NWG)
         def _compute():
@@ -121,8 +125,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             def step(s_i, carry):
                 acc, d_sq = carry
                 slot = lax.rem(s_i, NSTAGE)
-                j, partial = walk.entry(s_i)
-                k0 = j * BLOCK
+                j, partial = walk.entry(s_i // per)
+                k0 = j * BLOCK + lax.rem(s_i, per) * width
                 plgpu.barrier_wait(k_ready.at[slot])
                 if n_ka:
                     plgpu.barrier_wait(ka_ready.at[slot])
@@ -140,7 +144,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     d = None
                     if dense is not None:
                         at = (b if dense.shape[0] > 1 else 0, h if dense.shape[1] > 1 else 0)
-                        plgpu.copy_gmem_to_smem(d_ref.at[at + (rows, pl.ds(k0, BLOCK))],
+                        plgpu.copy_gmem_to_smem(d_ref.at[at + (rows, pl.ds(k0, width))],
                                                 d_smem.at[wg], d_ready.at[wg])
                         plgpu.barrier_wait(d_ready.at[wg])
                         d = tile(d_smem.at[wg], interpret) != 0
@@ -153,7 +157,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
                 s, pull = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                  values=values, partial=partial, visible=visible,
-                                 with_grad=True)
+                                 with_grad=True, sides=("q",))
                 p = jnp.exp2(s - rows_of(lse, shape))
                 ds = p * (dp - rows_of(delta, shape))
                 if pull is not None:
@@ -182,8 +186,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
             def issue(s_i, _):
                 slot = lax.rem(s_i, NSTAGE)
-                j, _ = walk.entry(s_i)
-                keys = pl.ds(j * BLOCK, BLOCK)
+                j, _ = walk.entry(s_i // per)
+                keys = pl.ds(j * BLOCK + lax.rem(s_i, per) * width, width)
                 pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], k_smem.at[slot], k_ready.at[slot])
                 if n_ka:
@@ -199,9 +203,9 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
     scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NWG, ROWS, D), dt),
                plgpu.SMEM((NWG, 2, ROWS), F32),
-               smem_tiled((NSTAGE, BLOCK, D), dt), smem_tiled((NSTAGE, BLOCK, D), dt)]
-    scratch += _value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, BLOCK),
-                              (ROWS, BLOCK))
+               smem_tiled((NSTAGE, width, D), dt), smem_tiled((NSTAGE, width, D), dt)]
+    scratch += _value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, width),
+                              shape)
     scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
@@ -328,7 +332,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
                 st, pull = logits(st, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                   values=values, partial=partial, visible=visible,
-                                  with_grad=True)
+                                  with_grad=True, sides=("kv",))
                 pt = jnp.exp2(st - cols_of(col_vector(ld_smem.at[slot, 0], interpret), shape))
                 dst = pt * (dpt - cols_of(col_vector(ld_smem.at[slot, 1], interpret), shape))
                 if pull is not None:

@@ -124,17 +124,18 @@ class Lists:
         return jnp.where(partial, jp, jf), partial
 
 
-def logits(s, *, scale, score, b, h, q, kv, values, partial, visible, with_grad=False):
+def logits(s, *, scale, score, b, h, q, kv, values, partial, visible, with_grad=False,
+           sides=()):
     """Raw q.k -> base-2 logits, -inf where masked. `score`: a `kernel_score.ScoreFn` or
     None; `values()` gives its (q, kv) value tiles. `visible()` evaluates the element
     mask; it runs only in partial blocks. With `with_grad`, also the score's pullback
-    (`kernel_score.apply`; None without a score)."""
+    (`kernel_score.apply`, for the float values of `sides`; None without a score)."""
     pull = None
     if score is None:
         s = s * (scale * LOG2E)
     else:
         q_tiles, kv_tiles = values()
-        y, pull = apply(score, s * scale, b, h, q(), kv(), q_tiles, kv_tiles, with_grad)
+        y, pull = apply(score, s * scale, b, h, q(), kv(), q_tiles, kv_tiles, with_grad, sides)
         s = y * LOG2E
     s = lax.cond(partial, lambda s: jnp.where(visible(), s, -jnp.inf), lambda s: s, s)
     return s, pull

@@ -91,19 +91,22 @@ def _stack(values):
     return jnp.stack([jnp.broadcast_to(v, lead + v.shape[2:]) for v in values], axis=2)
 
 
-def apply(fn: ScoreFn, x, b, h, q, kv, q_tiles, kv_tiles, with_grad: bool):
+def apply(fn: ScoreFn, x, b, h, q, kv, q_tiles, kv_tiles, with_grad: bool,
+          sides=("q", "kv")):
     """(f(x), pullback or None): ``pullback(g)`` is ``(g * df/dx, [g * df/dv tiles for
-    each float q value], [the same for each float kv value])``; a kernel sums the
-    side it owns over the tile's other axis."""
+    each float q value], [the same for each float kv value])`` for the value `sides`
+    asked for (the others' lists empty); a kernel sums the side it owns over the
+    tile's other axis. Without float values on those sides it is one forward-mode
+    derivative, with no reverse pass to hold in registers."""
     f = lambda x_, qt, kt: fn.call(x_, b, h, q, kv, qt, kt).astype(F32)  # noqa: E731
     if not with_grad:
         return f(x, q_tiles, kv_tiles), None
-    if not fn.has_values:
+    qi = [i for i, yes in enumerate(fn.q_floats) if yes and "q" in sides]
+    ki = [i for i, yes in enumerate(fn.kv_floats) if yes and "kv" in sides]
+    if not qi and not ki:
         y, d = plain(lambda x_: jax.jvp(lambda z: f(z, q_tiles, kv_tiles), (x_,),
                                         (jnp.ones_like(x_),)), x)
         return y, lambda g: (g * d, [], [])
-    qi = [i for i, yes in enumerate(fn.q_floats) if yes]
-    ki = [i for i, yes in enumerate(fn.kv_floats) if yes]
 
     def of_floats(x_, qf, kf):
         qt, kt = list(q_tiles), list(kv_tiles)
