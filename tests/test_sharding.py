@@ -21,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from support import sharding_cases as sc
+from support.sharding_cases import partitioner  # noqa: F401 (a fixture)
 import fusedattn
 from fusedattn import SequenceDescriptor, partitioning
 from fusedattn.backends import cudnn
@@ -36,14 +37,6 @@ def _mesh(shape, names):
     kernels used here reshape heads, which Explicit sharding types refuse when the
     heads are split)."""
     return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-
-
-@pytest.fixture(params=[True, False], ids=["shardy", "gspmd"])
-def partitioner(request):
-    previous = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param)
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", previous)
 
 
 def _normal(seed, shape):

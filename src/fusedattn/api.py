@@ -94,21 +94,31 @@ def explain(q, k, v, *, backend: str = "auto", context_parallel=None, **options)
     for every other backend, why it was not chosen; ``print(plan)`` shows a table.
     Arrays that carry a `NamedSharding` (device arrays, or ShapeDtypeStructs made
     with ``sharding=``) add the distributed plan: the batch / head split, the
-    per-device shapes, the collectives and what must be gathered and why.
+    per-device shapes, the collectives and which array must be gathered and why.
     """
     config, inputs = build_call(q, k, v, **options)
     cp = _check_context_parallel(context_parallel)
     plan = dispatch.plan(config, backend, context_parallel=cp)
     if cp is not None or plan.chosen is None:
         return plan
-    found = partitioning.named_specs([inputs.q, inputs.k, inputs.v])
+    config = dispatch.config_for(config, plan.chosen)  # (a dense mask as the backend takes it)
+    names, dims, arrays = zip(*_held(partitioning.input_dims(config, inputs._replace(rng=None)),
+                                     inputs))
+    found = partitioning.named_specs(arrays)
     if found is None:
         return plan
     mesh_shape, specs = found
-    config = dispatch.config_for(config, plan.chosen)  # (a dense mask as the backend takes it)
-    dims = partitioning.input_dims(config, inputs._replace(rng=None))
-    arrays = [(name, d, spec) for name, d, spec in zip(("q", "k", "v"), (dims.q, dims.k, dims.v),
-                                                      specs) if d is not None]
-    split = partitioning.decide(config, mesh_shape, arrays)
+    split = partitioning.decide(config, mesh_shape, list(zip(names, dims, specs)))
     return dataclasses.replace(plan, distributed=partitioning.describe(
         config, mesh_shape, split, plan.chosen))
+
+
+def _held(dims, inputs):
+    """(name, dims, array) of each array of the call the rule names, q first (the
+    sequence descriptor aside): a split the call must gather is named in the plan."""
+    for name in ("q", "k", "v", "bias", "softmax_offset", "dense_mask"):
+        d, x = getattr(dims, name), getattr(inputs, name)
+        if d is not None and x is not None:
+            yield name, d, x
+    for i, (d, x) in enumerate(zip(dims.score_mod_args, inputs.score_mod_args)):
+        yield f"score_mod_args[{i}]", d, x

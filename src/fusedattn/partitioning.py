@@ -1,13 +1,15 @@
 """The one partitioning rule of every native attention call.
 
-XLA sees an FFI call as opaque: without a rule it gathers the operands onto
-every device. This module says, from the `AttnConfig` alone, what each
-dimension of each operand and result *is* (its role), and from the shardings
-the partitioner proposes, which mesh axes split the call:
+XLA sees an FFI call (or a Mosaic GPU kernel's custom call) as opaque: without a
+rule it gathers the operands onto every device. This module says, from the
+`AttnConfig` alone, what each dimension of each operand and result *is* (its
+role), and from the shardings the partitioner proposes, which mesh axes split
+the call:
 
 * ``b``: batch (for small-seq, the tokens) and ``h``/``k``: query / kv heads
   split with no collective; every operand carrying them follows (kv heads
-  under GQA, bias, softmax offsets, sequence descriptor arrays, the LSE).
+  under GQA, bias, a dense boolean mask, softmax offsets, sequence descriptor
+  arrays, the LSE).
 * ``s``/``t`` (query / key tokens) and head dims stay whole: splitting the
   sequence is context parallelism (`fusedattn.context_parallel`), a different
   algorithm, not a partitioning of one call.
@@ -16,7 +18,7 @@ A sharding the rule cannot honour without moving data gets the cheapest
 correct plan (the partitioner gathers only what the rule must have whole),
 and `Split.notes` says what moved and why; `explain()` prints it. The rule
 knows nothing about any backend: `backends/native_op.py` applies it to the
-cudnn, small_seq and ck calls alike.
+cudnn, small_seq, ck and block_sparse calls alike.
 """
 from __future__ import annotations
 
@@ -67,10 +69,6 @@ def input_dims(config: AttnConfig, inputs):
     kv = _tensor(config, KV_HEADS, KV_TOKENS, packed=config.qkv_packing == "kv")
     if ragged:  # packed keys [total, h, d]: not split by token shards
         kv = Dims((KV_TOKENS, KV_HEADS, None))
-    bias = None
-    if config.has_bias:
-        bb, hb = config.bias_shape[:2]
-        bias = Dims((BATCH if bb > 1 else None, Q_HEADS if hb > 1 else None, None, None))
     seq = inputs.sequence
     if seq is not None:
         def field(name, x):
@@ -82,10 +80,19 @@ def input_dims(config: AttnConfig, inputs):
         seq = type(seq)(seq.kind, seq.max_segments,
                         **{n: field(n, getattr(seq, n)) for n in type(seq)._FIELDS})
     return AttnInputs(
-        q=q, k=None if inputs.k is None else kv, v=None if inputs.v is None else kv, bias=bias,
+        q=q, k=None if inputs.k is None else kv, v=None if inputs.v is None else kv,
+        bias=_broadcast_dims(config.bias_shape),
         softmax_offset=None if inputs.softmax_offset is None else Dims((Q_HEADS,)),
         sequence=seq, rng=None if inputs.rng is None else Dims((None,)),
-        score_mod_args=tuple(Dims((None,) * len(s)) for s, _ in config.score_mod_arg_specs))
+        score_mod_args=tuple(Dims((None,) * len(s)) for s, _ in config.score_mod_arg_specs),
+        dense_mask=_broadcast_dims(config.dense_mask_shape))
+
+
+def _broadcast_dims(shape) -> Optional[Dims]:
+    """A bias or dense mask [1|b, 1|h_q, s_q, s_kv]: batch and heads where not broadcast."""
+    if shape is None:
+        return None
+    return Dims((BATCH if shape[0] > 1 else None, Q_HEADS if shape[1] > 1 else None, None, None))
 
 
 def output_dims(config: AttnConfig) -> Dims:
@@ -201,11 +208,15 @@ def local_config(config: AttnConfig, split: Split, mesh_shape: Mapping[str, int]
     nh = math.prod(mesh_shape[a] for a in split.heads)
     if nb == nh == 1:
         return config
-    bias = config.bias_shape
-    if bias is not None:
-        bias = (bias[0] // nb if bias[0] > 1 else 1, bias[1] // nh if bias[1] > 1 else 1) + bias[2:]
+
+    def local(shape):  # a broadcast [1|b, 1|h_q, ..] shape: its split dimensions divided
+        if shape is None:
+            return None
+        return (shape[0] // nb if shape[0] > 1 else 1, shape[1] // nh if shape[1] > 1 else 1) \
+            + shape[2:]
     return dataclasses.replace(config, batch=config.batch // nb, h_q=config.h_q // nh,
-                               h_kv=config.h_kv // nh, bias_shape=bias)
+                               h_kv=config.h_kv // nh, bias_shape=local(config.bias_shape),
+                               dense_mask_shape=local(config.dense_mask_shape))
 
 
 def shard_index(axes: Tuple[str, ...], mesh_shape: Mapping[str, int]) -> jax.Array:
@@ -240,6 +251,10 @@ def describe(config: AttnConfig, mesh_shape: Mapping[str, int], split: Split,
                 grads.append("bias gradient (bias broadcast over a split axis)")
         if config.softmax == "learnable" and split.batch:
             grads.append("softmax_offset gradient (summed over batch shards)")
+        if backend == "block_sparse" and summed and any(
+                jax.numpy.issubdtype(dtype, jax.numpy.floating)
+                for _, dtype in config.score_mod_arg_specs):
+            grads.append("float score_mod_args' gradients (each shard's partial sum)")
         if config.sequence == "ragged" and split.batch:
             grads.append("packed k/v gradients (every token shard writes its rows)")
         lines.append("  collectives: none in the forward; "

@@ -15,15 +15,27 @@ from typing import Callable, Dict, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from .attn_cases import rel_error
+
+@pytest.fixture(params=[True, False], ids=["shardy", "gspmd"])
+def partitioner(request):
+    """Each test under Shardy and under GSPMD (a fixture: import it into the test module)."""
+    previous = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param)
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", previous)
+
 
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 
 
 def collectives(hlo_text: str) -> Dict[str, int]:
-    """How many of each collective the compiled HLO holds (async pairs counted once)."""
-    return {c: len(re.findall(rf"= [^=]*? {c}(?:-start)?\(", hlo_text)) for c in COLLECTIVES}
+    """How many of each collective the compiled HLO holds (async pairs counted once; a
+    tuple's shape may hold "=", as in ``/*index=5*/``)."""
+    return {c: len(re.findall(rf"^\s*(?:ROOT )?\S+ = .*? {c}(?:-start)?\(", hlo_text, re.M))
+            for c in COLLECTIVES}
 
 
 def all_reduce_shapes(hlo_text: str):

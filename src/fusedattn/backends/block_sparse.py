@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import block_sparse
+from .. import block_sparse, partitioning
 from ..block_sparse import builtin
-from ..block_sparse.attention import (block_sparse_attention, block_sparse_attention_with_lse,
-                                      on_hopper)
+from ..block_sparse.attention import (block_sparse_attention, block_sparse_attention_backward,
+                                      block_sparse_attention_with_lse, on_hopper)
 from ..block_sparse.builders import from_element
 from ..block_sparse.dependence import Reads, mask_mod_reads
 from ..block_sparse import kernel_score
@@ -42,7 +42,8 @@ from ..block_sparse.kernel_parts import BLOCK
 from ..block_sparse.terms import Dense, ElementMask, MaskMod
 from ..config import AttnConfig
 from ..inputs import AttnInputs
-from ..score_mods import Masked
+from ..score_mods import Masked, Reindexed
+from . import native_op
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
@@ -161,7 +162,13 @@ def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
     return from_element(ElementMask(terms, config.s_q, config.s_kv), (BLOCK, BLOCK))
 
 
-class BlockSparseBackend:
+class BlockSparseBackend(native_op.NativeBackend):
+    """Its kernels run through `native_op` like the FFI backends': under a batch / head
+    split each device runs its shard, building its shard's map; a mask_mod and a
+    score_mod see the call's batch and head numbers there (`native_op`'s score_mod
+    reindexing: the shard's first row and head are two more args, so the values the
+    kernels read are hoisted from the call's numbers). Its backward step also returns
+    the float score_mod_args' gradients (`block_sparse_attention_backward`)."""
     name = "block_sparse"
     platforms = ("cuda",)
     takes_dense_mask = True  # dispatch passes the drop-ins' mask as it is (no bias)
@@ -198,22 +205,62 @@ class BlockSparseBackend:
                 + (f", window {config.window}" if config.window else "")
                 + ": its density is known only when it runs")
 
-    def _run(self, config: AttnConfig, inputs: AttnInputs, attend):
-        why = self.supports(config)
-        if why is not None:
-            raise ValueError(f"block_sparse backend cannot run {config.short()}: {why}")
-        bm = block_map(config) if static(config) else device_map(config, inputs)
-        return attend(inputs.q, inputs.k, inputs.v, bm, scale=config.scale,
-                      score_mod=parts(config)[1], score_mod_args=inputs.score_mod_args,
-                      implementation=IMPLEMENTATION)
+    def _run(self, config: AttnConfig, inputs: AttnInputs, attend, out_specs, *operands):
+        """`attend` (a `block_sparse` function) on one device's arrays, `config` theirs;
+        `out_specs()`: its results' sharding types where some mesh axes are Explicit."""
+        self.require(config, SHARD_NOTE if _reindexed(config) else "")
 
-    def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
-        return self._run(config, inputs, block_sparse_attention)
+        def run(inputs, *operands):
+            bm = block_map(config) if static(config) else device_map(config, inputs)
+            return attend(inputs.q, inputs.k, inputs.v, *operands, bm, scale=config.scale,
+                          score_mod=parts(config)[1], score_mod_args=inputs.score_mod_args,
+                          implementation=IMPLEMENTATION)
+        # (under Explicit axes the map's and the list walks' gathers run with the axes
+        # Auto, as the XLA backend's tiles do)
+        return partitioning.in_auto_axes(run, inputs.q, out_specs, inputs, *operands)
+
+    # native_op's per-device kernels
+    def forward(self, config: AttnConfig, inputs: AttnInputs, training: bool):
+        dims = (partitioning.output_dims(config), partitioning.LSE_DIMS)
+        if training:
+            return self._run(config, inputs, block_sparse_attention_with_lse,
+                             lambda: partitioning.typed_specs(config, inputs.q, dims))
+        return self._run(config, inputs, block_sparse_attention,
+                         lambda: partitioning.typed_specs(config, inputs.q, dims)[0]), None
+
+    def backward(self, config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
+        """Gradients of q, k, v and of the float score_mod_args (None for the others)."""
+        floats = tuple(x if jnp.issubdtype(jnp.result_type(x), jnp.floating) else None
+                       for x in inputs.score_mod_args)
+        primal = (inputs.q, inputs.k, inputs.v, floats)  # each gradient typed as its array
+        dq, dk, dv, d_args = self._run(
+            config, inputs, block_sparse_attention_backward,
+            lambda: jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, primal),
+            out, lse, d_out)
+        return AttnInputs(dq, dk, dv, score_mod_args=d_args)
 
     def attention_with_lse(self, config: AttnConfig, inputs: AttnInputs):
         """(out, fp32 natural log-sum-exp [b, h_q, s_q], -inf on rows with no visible key;
         no gradient flows through it)."""
-        return self._run(config, inputs, block_sparse_attention_with_lse)
+        self.require(config)
+        return native_op.attention(self.name, config, inputs, need_lse=True)
+
+
+# A shard's kernels see its own batch and head numbers; its mask_mod and score_mod get
+# the call's as the shard's first row and head (two more int args, `native_op`), so
+# what reads them is hoisted: a function whose reads of those numbers have no
+# in-kernel form cannot run on the shard.
+SHARD_NOTE = (" (on a shard of a batch / head split, where the mask_mod / score_mod reads "
+              "the call's batch and head numbers as the shard's first row and head plus its "
+              "own: those reads must be hoisted; run this call unsplit or on another "
+              "backend)")
+
+
+def _reindexed(config: AttnConfig) -> bool:
+    """Is `config` a shard's, its functions reading the call's numbers (`native_op`)?"""
+    return any(isinstance(f, Reindexed) for f in parts(config))
 
 
 BACKEND = BlockSparseBackend()
+native_op.register(BACKEND.name, native_op.Kernels(BACKEND.forward, BACKEND.backward,
+                                                    arg_grads=True))

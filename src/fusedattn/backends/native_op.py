@@ -1,11 +1,13 @@
 """The one differentiable, partitionable call around every native backend.
 
-A native backend (cudnn, small_seq, ck, flash) provides two per-device functions:
+A native backend (cudnn, small_seq, ck, flash: FFI calls; block_sparse: Pallas Mosaic
+GPU kernels) provides two per-device functions:
 
 * ``forward(config, inputs, training) -> (out, lse | None)``, ``lse`` fp32
   ``[b, h_q, s_q]`` when training;
 * ``backward(config, inputs, out, lse, d_out) -> AttnInputs`` of gradients
-  (q, k, v, bias, softmax_offset; None elsewhere),
+  (q, k, v, bias, softmax_offset; with ``Kernels.arg_grads`` also the floating
+  score_mod_args; None elsewhere),
 
 where ``config`` describes the arrays that device holds and ``inputs.rng``
 is raw uint32 bits (`rng_bits`). This module wraps them once:
@@ -66,10 +68,14 @@ class Kernels(NamedTuple):
     """A backend's per-device kernels: ``forward(config, inputs, training)`` and
     ``backward(config, inputs, out, lse, d_out)``; for FP8 ``fp8_forward`` /
     ``fp8_backward`` of `fusedattn.fp8`'s contract. ``per_entry(config)`` True: the
-    kernels run one batch entry at a time (`_run_per_entry`)."""
+    kernels run one batch entry at a time (`_run_per_entry`). ``arg_grads`` True: the
+    backward also returns the floating score_mod_args' gradients (None for the
+    others); under a split each device's is a partial sum, summed over the split axes
+    like a broadcast bias's (block_sparse: its kernels' value gradients)."""
     forward: Callable
     backward: Callable
     per_entry: Callable[[AttnConfig], bool] = lambda config: False
+    arg_grads: bool = False
 
 
 # Per-device kernels by backend name, filled by each backend module as it loads.
@@ -122,6 +128,9 @@ def _run(op: _Op, config: AttnConfig, flat, shard_starts=None):
     elif op.step == "backward":
         inputs, out, lse, d_out = operands
         result = op.kernels.backward(config, inputs, out, lse, d_out)
+        if shard_starts is not None and op.kernels.arg_grads:  # (the starts have none)
+            n = len(result.score_mod_args) - len(shard_starts)
+            result = result._replace(score_mod_args=tuple(result.score_mod_args)[:n])
     else:
         out, lse = op.kernels.forward(config, operands, op.step == "training")
         result = (out, lse) if op.step == "training" else (out,)
@@ -293,7 +302,7 @@ def _call(backend: str, step: str, config: AttnConfig, operands, dims):
     flat, in_tree = jax.tree_util.tree_flatten(operands)
     in_dims = tuple(jax.tree_util.tree_leaves(dims))
     assert len(in_dims) == len(flat), (len(in_dims), len(flat))
-    out_dims, out_tree = _out_dims(step, config, operands, dims)
+    out_dims, out_tree = _out_dims(backend, step, config, operands, dims)
     op = _Op(backend, step, config, in_tree, in_dims, out_tree, out_dims)
     call = _body if _partially_manual() else _partitioned
     outs = jax.custom_batching.sequential_vmap(functools.partial(call, op))(*flat)
@@ -306,7 +315,7 @@ def _partially_manual() -> bool:
     return not mesh.empty and 0 < len(mesh.manual_axes) < len(mesh.axis_names)
 
 
-def _out_dims(step: str, config: AttnConfig, operands, dims):
+def _out_dims(backend: str, step: str, config: AttnConfig, operands, dims):
     if step == "fp8_backward":
         return ((dims[0], dims[1], dims[2]) + (SCALAR_DIMS,) * 4,
                 jax.tree_util.tree_structure((0, 0, 0, (0, 0, 0, 0))))
@@ -317,23 +326,34 @@ def _out_dims(step: str, config: AttnConfig, operands, dims):
         return (P.output_dims(config), SCALAR_DIMS, SCALAR_DIMS), jax.tree_util.tree_structure((0,) * 3)
     if step == "backward":
         inputs, input_dims = operands[0], dims[0]
-        grads = _grad_slots(config, inputs)
-        pairs = [(getattr(input_dims, f), f) for f in grads._fields if getattr(grads, f)]
-        tree = jax.tree_util.tree_structure(
-            AttnInputs(**{f: (0 if getattr(grads, f) else None) for f in grads._fields}))
-        return tuple(d for d, _ in pairs), tree
+        grads = _grad_slots(config, inputs, _KERNELS[backend].arg_grads)
+        slots = AttnInputs(**{f: (0 if getattr(grads, f) is True else None)
+                              for f in grads._fields if f != "score_mod_args"},
+                           score_mod_args=tuple(0 if g else None for g in grads.score_mod_args))
+        out_dims = []  # (in the leaves' order: AttnInputs' fields)
+        for f in grads._fields:
+            if f == "score_mod_args":
+                out_dims += [d for d, g in zip(input_dims.score_mod_args, grads.score_mod_args)
+                             if g]
+            elif getattr(grads, f) is True:
+                out_dims.append(getattr(input_dims, f))
+        return tuple(out_dims), jax.tree_util.tree_structure(slots)
     if step == "training":
         return (P.output_dims(config), P.LSE_DIMS), jax.tree_util.tree_structure((0, 0))
     return (P.output_dims(config),), jax.tree_util.tree_structure((0,))
 
 
-def _grad_slots(config: AttnConfig, inputs: AttnInputs) -> AttnInputs:
-    """Which fields of `inputs` a backward returns gradients for (True/False)."""
+def _grad_slots(config: AttnConfig, inputs: AttnInputs, arg_grads: bool) -> AttnInputs:
+    """Which fields of `inputs` a backward returns gradients for (True/False; for
+    score_mod_args one per arg: the floating ones when the kernels give them)."""
     return AttnInputs(q=True, k=inputs.k is not None, v=inputs.v is not None,
                       bias=inputs.bias is not None,
                       softmax_offset=inputs.softmax_offset is not None
                       and config.softmax == "learnable",
-                      sequence=None, rng=None, score_mod_args=())
+                      sequence=None, rng=None,
+                      score_mod_args=tuple(arg_grads and jnp.issubdtype(jnp.result_type(a),
+                                                                       jnp.floating)
+                                           for a in inputs.score_mod_args))
 
 
 # ---- the differentiable call ----------------------------------------------------------
@@ -346,8 +366,9 @@ def attention(backend, config: AttnConfig, inputs: AttnInputs, *, need_lse: bool
     differentiates, "training" the forward and backward of one that is. It is asked
     while tracing, so only the steps a program contains are measured
     (`fusedattn.backend_choice`)."""
-    # score_mod_args (cudnn's lowered score_mods) reach the kernels as they are; their
-    # cotangents here are None: cudnn_flex supplies floating ones from the XLA backend.
+    # score_mod_args reach the kernels as they are; their cotangents come from the
+    # backward step where the kernels give them (block_sparse: `Kernels.arg_grads`),
+    # else they are None here (cudnn_flex supplies floating ones from the XLA backend).
     inputs = inputs._replace(rng=rng_bits(config, inputs.rng))
     if need_lse:
         out, lse = _attend_with_lse(_for_step(backend, "training"), config, inputs)
@@ -377,11 +398,13 @@ def backward(backend: str, config: AttnConfig, inputs: AttnInputs, out, lse, d_o
 
 
 def _cotangents(inputs: AttnInputs, grads: AttnInputs) -> AttnInputs:
-    """Gradients for every leaf of `inputs`: integer data (descriptor, rng bits) gets none."""
+    """Gradients for every leaf of `inputs`: integer data (descriptor, rng bits) gets
+    none, score_mod_args theirs where the kernels give them (`Kernels.arg_grads`)."""
     return AttnInputs(q=grads.q, k=grads.k, v=grads.v, bias=grads.bias,
                       softmax_offset=grads.softmax_offset,
                       sequence=jax.tree_util.tree_map(lambda _: None, inputs.sequence),
-                      rng=None, score_mod_args=tuple(None for _ in inputs.score_mod_args))
+                      rng=None, score_mod_args=tuple(grads.score_mod_args) or tuple(
+                          None for _ in inputs.score_mod_args))
 
 
 # The primal asks for the inference step's backend, the fwd rule for the training
@@ -432,10 +455,14 @@ class NativeBackend:
     name: str
 
     def attention(self, config: AttnConfig, inputs: AttnInputs) -> jax.Array:
+        self.require(config)
+        return attention(self.name, config, inputs)[0]
+
+    def require(self, config: AttnConfig, context: str = "") -> None:
+        """ValueError with the backend's reason (and `context`) when it cannot run `config`."""
         why = self.supports(config)
         if why is not None:
-            raise ValueError(f"{self.name} backend cannot run {config.short()}: {why}")
-        return attention(self.name, config, inputs)[0]
+            raise ValueError(f"{self.name} backend cannot run {config.short()}: {why}{context}")
 
 
 # ---- FP8 kernels (fusedattn.fp8 differentiates them) ------------------------------------

@@ -13,8 +13,9 @@ A backend is an object (each module under `fusedattn.backends` exposes one as
   differentiable (through a custom_vjp) with respect to q, k, v, bias and
   softmax_offset.
 
-Native backends (cudnn, small_seq, ck, flash) also give per-device kernels to
-`native_op` (``native_op.register``), which partitions and differentiates them.
+Native backends (cudnn, small_seq, ck, flash, block_sparse) also give per-device
+kernels to `native_op` (``native_op.register``), which partitions and differentiates
+them.
 """
 from __future__ import annotations
 

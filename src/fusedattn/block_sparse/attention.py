@@ -4,6 +4,8 @@ On Hopper GPUs the Mosaic GPU kernels (`kernel_fwd`, `kernel_bwd`) run it;
 elsewhere (and with ``implementation="reference"``) the same list walks in plain
 JAX (`reference`). Both save the base-2 log-sum-exp for the backward, which
 walks the query-major lists for dq and the key-major lists for dk / dv.
+`block_sparse_attention_backward` runs that backward alone, from a forward's
+output and log-sum-exp (the fusedattn backend's two partitioned steps).
 """
 from __future__ import annotations
 
@@ -63,16 +65,67 @@ def on_hopper() -> bool:
     return dev.platform == "gpu" and getattr(dev, "compute_capability", "") == "9.0"
 
 
+def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMap, *,
+                                    scale=None, score_mod=None, score_mod_args=(),
+                                    implementation=None):
+    """(dq, dk, dv, d_args) of `block_sparse_attention` at cotangent `d_out`, from the
+    forward's `out` and natural `lse` (`block_sparse_attention_with_lse`): the backward
+    kernels alone, for a caller that runs the forward and the backward as steps of its
+    own. `d_args` has each score_mod_arg's gradient (None for integer ones): the
+    kernels' gradients of the hoisted values (`kernel_score`) carried back through the
+    hoisted reads by JAX, as `block_sparse_attention`'s derivative does (no
+    ``s_q x s_kv`` array)."""
+    s_q, s_kv = q.shape[1], k.shape[1]
+    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, block_map, scale, implementation)
+    args = tuple(score_mod_args)
+    floats = [i for i, a in enumerate(args) if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
+    score_fn = []
+
+    def hoisted(float_args):  # the values the kernels read, from the float args
+        full = list(args)
+        for i, x in zip(floats, float_args):
+            full[i] = x
+        fn, values = _score(score_mod, full, q.shape[0], q.shape[2], s_q, s_kv)
+        score_fn.append(fn)
+        return values
+    values, pullback = jax.vjp(hoisted, [args[i] for i in floats])
+    whole = q.shape[1]
+    # (padded rows see no key: lse -inf, output 0, as the forward gives them)
+    lse2 = jnp.pad(lse.astype(jnp.float32) / math.log(2.0), ((0, 0), (0, 0), (0, whole - s_q)),
+                   constant_values=-jnp.inf)
+    out, d_out = (_pad_tokens(x, whole) for x in (out, d_out))
+    dq, dk, dv, d_values, _ = _bwd(fn, scale, score_fn[0], impl,
+                                   (q, k, v, values, ints, out, lse2), (d_out, None))
+    d_args = [None] * len(args)
+    for i, g in zip(floats, pullback(d_values)[0]):
+        d_args[i] = g
+    return dq[:, :s_q], dk[:, :s_kv], dv[:, :s_kv], tuple(d_args)
+
+
 def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation):
+    s_q, s_kv = q.shape[1], k.shape[1]
+    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation)
+    score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
+    out, lse2 = _attention(fn, scale, score, impl, q, k, v, values, ints)
+    return out[:, :s_q], lse2[..., :s_q]
+
+
+def _score(score_mod, score_mod_args, batch, heads, s_q, s_kv):
+    """(the kernels' score function or None, its (row, column) values padded to whole
+    blocks: differentiable in the float args, `kernel_score`)."""
+    score = kernel_score(score_mod, tuple(score_mod_args), batch, heads, s_q, s_kv)
+    if score is None:
+        return None, (None, None)
+    return score.fn, (_pad_tokens(score.q_values, _whole(s_q), axis=3),
+                      _pad_tokens(score.kv_values, _whole(s_kv), axis=3))
+
+
+def _operands(q, k, v, bm, scale, implementation):
+    """(mask fn, scale, implementation, padded (q, k, v), the map's int arrays) of a call."""
     _check(q, k, v, bm)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = choose_implementation(q, implementation)
     km = _padded(kernel_mask(bm.element), bm.s_q, bm.s_kv)
-    s_q, s_kv = q.shape[1], k.shape[1]
-    score = kernel_score(score_mod, tuple(score_mod_args), q.shape[0], q.shape[2], s_q, s_kv)
-    fn, values = (None, (None, None)) if score is None else (
-        score.fn, (_pad_tokens(score.q_values, _whole(s_q), axis=3),
-                   _pad_tokens(score.kv_values, _whole(s_kv), axis=3)))
     # Lengths past a block boundary: the arrays padded to whole blocks (the map already
     # has the blocks; the key padding is masked in the last block, which is never full,
     # and the padded rows' outputs are cut off, so their cotangent is 0).
@@ -81,9 +134,8 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation):
                       (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
     bwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
-    ints = (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays, km.dense)
-    out, lse2 = _attention(km.fn, scale, fn, impl, q, k, v, values, ints)
-    return out[:, :s_q], lse2[..., :s_q]
+    return km.fn, scale, impl, (q, k, v), (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays,
+                                           km.dense)
 
 
 def _whole(s: int) -> int:

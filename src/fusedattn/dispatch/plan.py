@@ -155,7 +155,7 @@ class Plan:
         if name == "xla":
             return xla.attention_with_lse(config, inputs)
         own = getattr(load_backend(name), "attention_with_lse", None)
-        if own is not None:  # a backend outside native_op (block_sparse)
+        if own is not None:  # (block_sparse: its support checked first)
             return own(config, inputs)
         return native_op.attention(self.rivals or name, config, inputs, need_lse=True)
 
