@@ -14,6 +14,8 @@ or by (b, h) only, so every program must split.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +36,9 @@ ARRAYS = {
     "pos": jnp.asarray(_rng.integers(-20, 40, (B, L)), jnp.int32),
     "small": jnp.asarray(_rng.integers(-4, 4, (B, L)), jnp.int8),
     "flag": jnp.asarray(_rng.random((B, L)) < 0.5),
+    "nb": jnp.asarray([3, 6], jnp.int32),  # per batch (a window, a prefix length)
+    # ids past float32's 24-bit mantissa and across int32's sign bit (exact as words)
+    "big": jnp.asarray(_rng.integers(2 ** 31 - 2, 2 ** 31 + 2, (B, L)), jnp.uint32),
     # floats: per (b, position), per (h, position), per document, per (h, document),
     # per (b, h, position), per head, per batch, a scalar, a bfloat16 table
     "tb": jnp.asarray(_rng.normal(size=(B, L)), F32),
@@ -47,6 +52,7 @@ ARRAYS = {
     "half": jnp.asarray(_rng.normal(size=(B, L)), jnp.bfloat16),
 }
 NAMES = tuple(ARRAYS)
+BH_ONLY = "reads by (b, h) only"  # in `avail`: the program reads no array by position
 CONST_F = np.linspace(-1.0, 1.0, L, dtype=np.float32)   # closed over: read like an arg
 CONST_I = (np.arange(L, dtype=np.int32) * 5) % 7
 SCORE = jnp.asarray(_rng.normal(size=(B, H, S_Q, S_KV)) * 2.0, F32)
@@ -67,8 +73,11 @@ def _pick(rng, options):
 # and the program's arrays by name; `avail` is the set of arrays the program takes.
 
 def _index(rng, side, avail, nested=True):
-    """An index into [0, L) from one position (q or kv), maybe through an int array."""
+    """An index into [0, L) from one position (q or kv), maybe through an int array
+    (with BH_ONLY, from b or h instead)."""
     pos = lambda e: e[side]  # noqa: E731
+    if BH_ONLY in avail:
+        pos = _pick(rng, (lambda e: e["h"], lambda e: e["b"] * 3 + 1, lambda e: jnp.int32(2)))
     options = [lambda e: pos(e), lambda e: pos(e) // 2, lambda e: L - 1 - pos(e)]
     c = int(rng.integers(1, L))
     options += [lambda e: (pos(e) + c) % L, lambda e: jnp.minimum(pos(e), c)]
@@ -149,6 +158,10 @@ def _side_int(rng, side, avail):
             options += [lambda e, name=name: e[name][e["b"], idx(e)]] * 2
     if "flag" in avail:
         options.append(lambda e: e["flag"][e["b"], idx(e)].astype(jnp.int32))
+    if "nb" in avail:
+        options.append(lambda e: e["nb"][e["b"]])
+    if "big" in avail:
+        options.append(lambda e: (e["big"][e["b"], idx(e)] >> 29).astype(jnp.int32))
     if "small" in avail:
         other, c = _index(rng, _pick(rng, ("q", "kv")), avail), int(rng.integers(20, 60))
         options += [lambda e: e["small"][e["b"], idx(e)].astype(jnp.int32),
@@ -189,6 +202,10 @@ def _bool(rng, depth, avail):
     if k == 0 and "flag" in avail:
         idx = _index(rng, _pick(rng, ("q", "kv")), avail)
         return lambda e: e["flag"][e["b"], idx(e)]
+    if k == 0 and "big" in avail:  # uint32 words compared across the sides on the tiles
+        i, j = _index(rng, "q", avail), _index(rng, "kv", avail)
+        op = _pick(rng, (jnp.equal, jnp.less, jnp.greater_equal))
+        return lambda e: op(e["big"][e["b"], i(e)], e["big"][e["b"], j(e)])
     if k <= 1:
         x, y = _int(rng, depth, avail), _int(rng, depth, avail)
         op = _pick(rng, (jnp.equal, jnp.not_equal, jnp.less, jnp.less_equal))
@@ -244,10 +261,11 @@ def _arg_read(rng, names):
     name, avail = _pick(rng, names), set(names)
     side = _pick(rng, ("q", "kv"))
     idx, ident = _index(rng, side, avail, nested=False), _ident(rng, side, avail)
+    iq, ikv = _index(rng, "q", avail), _index(rng, "kv", avail)
     c = int(rng.integers(L))
     return {
         "doc": lambda e: e["doc"][e["b"], idx(e)].astype(F32) * 0.3,
-        "pos": lambda e: jnp.abs(e["pos"][e["b"], e["q"]] - e["pos"][e["b"], e["kv"]]
+        "pos": lambda e: jnp.abs(e["pos"][e["b"], iq(e)] - e["pos"][e["b"], ikv(e)]
                                  ).astype(F32) * 0.05,
         "small": lambda e: e["small"][e["b"], idx(e)].astype(F32),
         "flag": lambda e: jnp.where(e["flag"][e["b"], idx(e)], 0.5, -0.5),
@@ -260,6 +278,9 @@ def _arg_read(rng, names):
         "vb": lambda e: e["vb"][e["b"]] * (e["q"] - e["kv"]).astype(F32) * 0.1,
         "temp": lambda e: e["temp"] * e["q"].astype(F32),
         "half": lambda e: e["half"][e["b"], c].astype(F32) + e["half"][e["b"], idx(e)],
+        "nb": lambda e: jnp.where(e["kv"] < e["nb"][e["b"]], 0.5, -0.5),
+        "big": lambda e: jnp.where(e["big"][e["b"], iq(e)] == e["big"][e["b"], ikv(e)],
+                                   0.5, -0.5),
     }[name]
 
 
@@ -267,8 +288,12 @@ def _program(seed):
     """(score_mod, args): a random score_mod reading the score and 1-3 arrays."""
     rng = np.random.default_rng(seed)
     names = tuple(sorted(rng.choice(NAMES, size=int(rng.integers(1, 4)), replace=False)))
-    avail = set(names)
-    body = _float(rng, int(rng.integers(1, 4)), avail)
+    avail = set(names) | ({BH_ONLY} if rng.random() < 0.15 else set())
+    # two subtrees (each often of one side only) mixed on the tiles
+    x, y = _float(rng, int(rng.integers(1, 4)), avail), _float(rng, int(rng.integers(1, 3)), avail)
+    cond = _bool(rng, 1, avail)
+    body = _pick(rng, (lambda e: x(e) + y(e), lambda e: x(e) * y(e),
+                       lambda e: jnp.maximum(x(e), y(e)), lambda e: jnp.where(cond(e), x(e), y(e))))
     read = _arg_read(rng, names)
     top = _pick(rng, (
         lambda e: body(e) + e["s"] * (1.0 + 0.5 * jnp.tanh(read(e))),
@@ -326,66 +351,95 @@ def _kernel_side(split, rows, cols, layout, score=SCORE):
     return jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(B), jnp.arange(H))
 
 
-def _check_values(split, args):
-    rows, cols = split.values(args)
+def _check_values(split, rows, cols):
     assert (len(rows), len(cols)) == (split.n_rows, split.n_cols)
     assert tuple(map(len, split.floats)) == (split.n_rows, split.n_cols)
     for v, n in [(v, S_Q) for v in rows] + [(v, S_KV) for v in cols]:
         assert v.dtype == F32 and v.ndim == 3, (v.dtype, v.shape)
         assert v.shape[0] in (1, B) and v.shape[1] in (1, H) and v.shape[2] == n, v.shape
-    return rows, cols
 
 
-def _check_forward(seed, layouts):
+def _run(make, seeds):
+    """Each seed's check: ``make(seed)`` gives (a lowered jit, its args, check(outputs)).
+    One compilation per program is most of the time here (op by op is slower still), so
+    the compilations run on two threads (XLA releases the GIL) while the next programs
+    are traced; the checks run in seed order."""
+    with ThreadPoolExecutor(2) as pool:
+        jobs = []
+        try:
+            for seed in seeds:
+                try:
+                    lowered, args, check = make(seed)
+                except (AssertionError, Unsupported) as e:
+                    raise AssertionError(f"seed {seed}: {type(e).__name__}: {e}") from None
+                jobs.append((seed, pool.submit(lowered.compile), args, check))
+            for seed, compiled, args, check in jobs:
+                try:
+                    check(compiled.result()(*args))
+                except AssertionError as e:
+                    raise AssertionError(f"seed {seed}: {e}") from None
+        finally:
+            for job in jobs:
+                job[1].cancel()
+
+
+def _forward(seed):
     fn, args = _program(seed)
+    layouts = ("tile", "tile_t", ("ref", "narrow")[seed % 2])
     split = kernel_score.split(fn, _specs(args), B, H, S_Q, S_KV)  # must not raise
     assert split is not None, "the program reads an array: it must split"
     assert hoisting.reason(fn, _specs(args), B, H, S_Q, S_KV, hoisting.SCORE) is None
-    rows, cols = _check_values(split, args)
-    # kernel_score's own form: the same split, the values stacked per side
-    ks = kernel_score.kernel_score(fn, args, B, H, S_Q, S_KV)
-    assert ks.fn.call is split and (ks.fn.q_floats, ks.fn.kv_floats) == split.floats
-    for stacked, values in ((ks.q_values, rows), (ks.kv_values, cols)):
-        assert (stacked is None) == (not values)
-        for i, v in enumerate(values):
-            np.testing.assert_array_equal(
-                np.asarray(stacked[:, :, i]).view(np.int32),
-                np.broadcast_to(np.asarray(v), stacked[:, :, i].shape).view(np.int32))
-    want = np.broadcast_to(np.asarray(_truth(fn, args), np.float32), (B, H, S_Q, S_KV))
-    assert np.isfinite(want).all()
-    for layout in layouts:
-        got = np.asarray(_kernel_side(split, rows, cols, layout), np.float32)
-        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6, err_msg=layout)
-    return split
+    seen = []
+
+    def run(args):
+        rows, cols = split.values(args)
+        ks = kernel_score.kernel_score(fn, args, B, H, S_Q, S_KV)
+        seen.append(ks.fn)
+        return (rows, cols, ks.q_values, ks.kv_values, _truth(fn, args),
+                [_kernel_side(split, rows, cols, layout) for layout in layouts])
+
+    def check(outputs):
+        rows, cols, q_values, kv_values, want, got = outputs
+        _check_values(split, rows, cols)
+        # kernel_score's own form: the same split, the values stacked per side
+        assert seen[0].call is split and (seen[0].q_floats, seen[0].kv_floats) == split.floats
+        for stacked, values in ((q_values, rows), (kv_values, cols)):
+            assert (stacked is None) == (not values)
+            for i, v in enumerate(values):
+                np.testing.assert_array_equal(
+                    np.asarray(stacked[:, :, i]).view(np.int32),
+                    np.broadcast_to(np.asarray(v), stacked[:, :, i].shape).view(np.int32))
+        want = np.broadcast_to(np.asarray(want, np.float32), (B, H, S_Q, S_KV))
+        assert np.isfinite(want).all()
+        for layout, out in zip(layouts, got):
+            np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=2e-6, atol=2e-6,
+                                       err_msg=layout)
+    return jax.jit(run).lower(args), (args,), check
 
 
 @pytest.mark.parametrize("first", range(0, N_PROGRAMS, 50))
 def test_random_score_mods_match(first):
-    for seed in range(first, first + 50):
-        layouts = ("tile", "tile_t", ("ref", "narrow")[seed % 2])
-        try:
-            _check_forward(seed, layouts)
-        except (AssertionError, Unsupported) as e:
-            raise AssertionError(f"seed {seed}: {type(e).__name__}: {e}") from None
+    _run(_forward, range(first, first + 50))
 
 
 def test_the_generator_covers_the_cases():
     """The programs hoist values of every kind (rows, columns, per (b, h); floats and
-    integers; with and without the head), or the fuzzing proves little."""
+    integers; with and without the head, the batch), or the fuzzing proves little."""
     seen = set()
-    for seed in range(0, N_PROGRAMS, 3):
+    for seed in range(N_PROGRAMS):
         fn, args = _program(seed)
         split = kernel_score.split(fn, _specs(args), B, H, S_Q, S_KV)
-        rows, cols = split.values(args)
+        rows, cols = jax.eval_shape(split.values, args)
         for side, values, floats in (("row", rows, split.floats[0]),
                                      ("col", cols, split.floats[1])):
             for v, f in zip(values, floats):
-                seen.add((side, "float" if f else "int"))
-                seen.add((side, "heads" if v.shape[1] > 1 else "no heads"))
+                seen.update({(side, "float" if f else "int"),
+                             (side, "heads" if v.shape[1] > 1 else "no heads"),
+                             (side, "batch" if v.shape[0] > 1 else "no batch")})
         seen.add("by position" if split.by_position else "per (b, h) only")
-    assert seen == {("row", "float"), ("row", "int"), ("col", "float"), ("col", "int"),
-                    ("row", "heads"), ("row", "no heads"), ("col", "heads"),
-                    ("col", "no heads"), "by position", "per (b, h) only"}, seen
+    assert seen == {(side, kind) for side in ("row", "col") for kind in (
+        "float", "int", "heads", "no heads", "batch", "no batch")} | {
+        "by position", "per (b, h) only"}, seen
 
 
 # ---- gradients ---------------------------------------------------------------------------
@@ -401,8 +455,7 @@ def _pullbacks(split, rows, cols, layout, sides, g, score=SCORE):
                                   [_at(v, bb, hh) for v in cols])
         y, pull = kernel_score.apply(score_fn, x, bb, hh, q, kv, rt, ct, with_grad=True,
                                      sides=sides)
-        gt = g[bb, hh] if layout != "tile_t" else g[bb, hh].T
-        dx, dq, dk = pull(gt)
+        dx, dq, dk = pull(_q_major(layout, g[bb, hh]))
         return (_q_major(layout, y), _q_major(layout, dx), [t.sum(1 - q_axis) for t in dq],
                 [t.sum(q_axis) for t in dk])
     return jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(B), jnp.arange(H))
@@ -425,17 +478,16 @@ def _rel(got, want):
     return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-6)
 
 
-def _grad_seeds():
-    return [s for s in range(N_PROGRAMS) if s % 15 < 4][:N_GRAD]
+GRAD_SEEDS = [s for s in range(N_PROGRAMS) if s % 15 < 4][:N_GRAD]
 
 
-def _check_gradients(seed):
+def _gradients(seed, counts):
     fn, args = _program(seed)
     split = kernel_score.split(fn, _specs(args), B, H, S_Q, S_KV)
-    rows, cols = split.values(args)
     g = jax.random.normal(jax.random.key(seed), (B, H, S_Q, S_KV), F32)
     # float32 args are differentiated; integer, bool (and the bfloat16 table) held fixed
     diff = [i for i, a in enumerate(args) if jnp.result_type(a) == F32]
+    counts.append(len(diff))
 
     def with_floats(fargs):
         full = list(args)
@@ -443,47 +495,47 @@ def _check_gradients(seed):
             full[i] = a
         return full
 
-    def loss(s, *fargs):
-        return jnp.sum(g * jnp.broadcast_to(fn(s, *IDX, *with_floats(fargs)), g.shape))
-    want = jax.grad(loss, argnums=tuple(range(1 + len(diff))))(SCORE, *[args[i] for i in diff])
-    want_y = np.broadcast_to(np.asarray(_truth(fn, args), np.float32), g.shape)
+    def run(fargs):
+        def loss(s, *fargs):
+            return jnp.sum(g * jnp.broadcast_to(fn(s, *IDX, *with_floats(fargs)), g.shape))
+        want = jax.grad(loss, argnums=tuple(range(1 + len(diff))))(SCORE, *fargs)
+        want_y = _truth(fn, with_floats(fargs))
+        rows, cols = split.values(with_floats(fargs))
+        # as the kernels: dq's tile (q along rows) owns the row values, dk/dv's key-major
+        # tile the column values; and once with both sides on the reference's tile
+        pulls = [_pullbacks(split, rows, cols, "tile", ("q",), g),
+                 _pullbacks(split, rows, cols, "tile_t", ("kv",), g),
+                 _pullbacks(split, rows, cols, ("ref", "narrow")[seed % 2], ("q", "kv"), g)]
+        # the value gradients summed to the values, carried to the float args
+        _, vjp = jax.vjp(lambda *fa: split.values(with_floats(fa)), *fargs)
+        got = vjp((_cotangents(rows, split.floats[0], pulls[0][2]),
+                   _cotangents(cols, split.floats[1], pulls[1][3])))
+        return want, want_y, pulls, got
 
-    # as the kernels: dq's tile (q along rows) owns the row values, dk/dv's key-major tile
-    # the column values; and once with both sides on the reference's tile
-    y1, dx1, dq1, dk1 = _pullbacks(split, rows, cols, "tile", ("q",), g)
-    y2, dx2, dq2, dk2 = _pullbacks(split, rows, cols, "tile_t", ("kv",), g)
-    y3, dx3, dq3, dk3 = _pullbacks(split, rows, cols, ("ref", "narrow")[seed % 2],
-                                   ("q", "kv"), g)
-    assert not dk1 and not dq2, "a kernel got gradients for the side it does not own"
-    assert len(dq3) == sum(split.floats[0]) and len(dk3) == sum(split.floats[1])
-    for y, dx in ((y1, dx1), (y2, dx2), (y3, dx3)):
-        np.testing.assert_allclose(np.asarray(y), want_y, rtol=2e-6, atol=2e-6)
-        assert _rel(dx, want[0]) < 1e-5, ("dx", _rel(dx, want[0]))
-    for a, b_ in zip(dq1 + dk2, dq3 + dk3):
-        assert _rel(a, b_) < 1e-5, ("the value gradients by side and both", _rel(a, b_))
-
-    def values(*fargs):
-        return split.values(with_floats(fargs))
-    _, vjp = jax.vjp(values, *[args[i] for i in diff])
-    got = vjp((_cotangents(rows, split.floats[0], dq1), _cotangents(cols, split.floats[1], dk2)))
-    for i, gi, wi in zip(diff, got, want[1:]):
-        assert np.isfinite(np.asarray(wi)).all()
-        # float32 sums in another order: relative to the gradient's norm
-        assert _rel(gi, wi) < 2e-5, (f"the gradient of arg {i}", _rel(gi, wi),
-                                     np.asarray(gi), np.asarray(wi))
-    return len(diff)
+    def check(outputs):
+        want, want_y, pulls, got = outputs
+        (y1, dx1, dq1, dk1), (y2, dx2, dq2, dk2), (y3, dx3, dq3, dk3) = pulls
+        want_y = np.broadcast_to(np.asarray(want_y, np.float32), g.shape)
+        assert not dk1 and not dq2, "a kernel got gradients for the side it does not own"
+        assert len(dq3) == sum(split.floats[0]) and len(dk3) == sum(split.floats[1])
+        for y, dx in ((y1, dx1), (y2, dx2), (y3, dx3)):
+            np.testing.assert_allclose(np.asarray(y), want_y, rtol=2e-6, atol=2e-6)
+            assert _rel(dx, want[0]) < 1e-5, ("dx", _rel(dx, want[0]))
+        for a, b_ in zip(dq1 + dk2, dq3 + dk3):
+            assert _rel(a, b_) < 1e-5, ("the value gradients by side and both", _rel(a, b_))
+        for i, gi, wi in zip(diff, got, want[1:]):
+            assert np.isfinite(np.asarray(wi)).all()
+            # float32 sums in another order: relative to the gradient's norm
+            assert _rel(gi, wi) < 2e-5, (f"the gradient of arg {i}", _rel(gi, wi),
+                                         np.asarray(gi), np.asarray(wi))
+    return jax.jit(run).lower([args[i] for i in diff]), ([args[i] for i in diff],), check
 
 
 @pytest.mark.parametrize("part", range(2))
 def test_random_score_mod_gradients_match(part):
-    seeds = _grad_seeds()[part::2]
-    n_float = 0
-    for seed in seeds:
-        try:
-            n_float += _check_gradients(seed) > 0
-        except AssertionError as e:
-            raise AssertionError(f"seed {seed}: {e}") from None
-    assert n_float >= len(seeds) // 2  # most of them differentiate an array
+    counts = []
+    _run(lambda seed: _gradients(seed, counts), GRAD_SEEDS[part::2])
+    assert sum(n > 0 for n in counts) >= len(counts) * 2 // 3  # most differentiate an arg
 
 
 # ---- refusals ----------------------------------------------------------------------------
@@ -507,7 +559,7 @@ def _bad_term(rng):
         (lambda e: e["t"][e["h"], jnp.clip((e["s"] * w).astype(jnp.int32), 0, L - 1)],
          BY_SCORE),
         (lambda e: e["t"][e["h"], jnp.where(e["s"] > 0, e["q"], e["kv"])], BY_SCORE),
-        (lambda e: -jnp.max(e["s"], axis=-1, keepdims=True), NOT_ELEMENTWISE),
+        (lambda e: -jnp.max(e["s"]) * 0.1, NOT_ELEMENTWISE),
     ))
 
 
