@@ -6,11 +6,13 @@ float values' gradients, carried to the args through `split.values`) against
 with the rule named.
 
 Each program reads the score, b, h, q_idx, kv_idx and 1-3 of the arrays below
-(float tables per row / column / (batch, head), through ids or not, int arrays read
-per side and combined across sides on the tiles, 8-bit integers that wrap, bools, a
-bfloat16 table, a scalar, closed-over constant tables, reductions and cumulative sums
-on the device), mixed with elementwise operations. Everything it reads is by one side
-or by (b, h) only, so every program must split.
+(float tables per row / column / (batch, head), through ids or not; int arrays read
+per side and combined across sides on the tiles; 8-bit integers that wrap; uint32 ids
+past float32's mantissa; bools; 16-bit float tables; a scalar; closed-over tables and
+constants; reductions and cumulative sums on the device), mixed with elementwise
+operations. Everything it reads is by one side or by (b, h) only, so every program
+must split. Float32 throughout; the tile side must match to a few ulps (it runs the
+same primitives), the gradients to float32 summation order.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ B, H, S_Q, S_KV = 2, 3, 7, 5
 L, ND = 8, 4        # table length along positions (>= S_Q, S_KV); number of "documents"
 F32 = jnp.float32
 N_PROGRAMS, N_GRAD = 150, 40
+_FAST = {"xla_backend_optimization_level": 0}  # (the programs are tiny; compiling dominates)
 
 _rng = np.random.default_rng(0)
 ARRAYS = {
@@ -40,7 +43,7 @@ ARRAYS = {
     # ids past float32's 24-bit mantissa and across int32's sign bit (exact as words)
     "big": jnp.asarray(_rng.integers(2 ** 31 - 2, 2 ** 31 + 2, (B, L)), jnp.uint32),
     # floats: per (b, position), per (h, position), per document, per (h, document),
-    # per (b, h, position), per head, per batch, a scalar, a bfloat16 table
+    # per (b, h, position), per head, per batch, a scalar, 16-bit float tables
     "tb": jnp.asarray(_rng.normal(size=(B, L)), F32),
     "th": jnp.asarray(_rng.normal(size=(H, L)), F32),
     "td": jnp.asarray(_rng.uniform(0.5, 1.5, (ND,)), F32),
@@ -49,12 +52,16 @@ ARRAYS = {
     "vh": jnp.asarray(_rng.normal(size=(H,)), F32),
     "vb": jnp.asarray(_rng.normal(size=(B,)), F32),
     "temp": jnp.asarray(0.7, F32),
-    "half": jnp.asarray(_rng.normal(size=(B, L)), jnp.bfloat16),
+    "bf16": jnp.asarray(_rng.normal(size=(B, L)), jnp.bfloat16),
+    "f16": jnp.asarray(_rng.normal(size=(B, L)), jnp.float16),
 }
 NAMES = tuple(ARRAYS)
 BH_ONLY = "reads by (b, h) only"  # in `avail`: the program reads no array by position
 CONST_F = np.linspace(-1.0, 1.0, L, dtype=np.float32)   # closed over: read like an arg
 CONST_I = (np.arange(L, dtype=np.int32) * 5) % 7
+# closed-over size-1 constants (jaxpr constants the tiles read, unlike inline literals)
+CONST_S, CONST_1111 = jnp.asarray(0.75, F32), jnp.full((1, 1, 1, 1), -1.25, F32)
+CONST_I8 = jnp.asarray(37, jnp.int8)
 SCORE = jnp.asarray(_rng.normal(size=(B, H, S_Q, S_KV)) * 2.0, F32)
 IDX = (jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
        jnp.arange(S_Q)[None, None, :, None], jnp.arange(S_KV)[None, None, None, :])
@@ -117,9 +124,11 @@ def _side_float(rng, side, avail):
         options.append(lambda e: e["thd"][e["h"], ident(e)])
     if "gate" in avail:
         options.append(lambda e: e["gate"][e["b"], e["h"], idx(e)])
-    if "half" in avail:
-        options += [lambda e: e["half"][e["b"], idx(e)],  # bfloat16 (promoted later)
-                    lambda e: e["half"][e["b"], idx(e)].astype(F32) * 0.5]
+    for name, dt in (("bf16", jnp.bfloat16), ("f16", jnp.float16)):
+        if name in avail:  # 16-bit values, maybe combined in 16 bits on the tiles
+            options += [lambda e, name=name: e[name][e["b"], idx(e)],
+                        lambda e, name=name, dt=dt: e[name][e["b"], idx(e)] * dt(1.5),
+                        lambda e, name=name: e[name][e["b"], idx(e)] * jnp.float32(0.5)]
     return _pick(rng, options)
 
 
@@ -191,7 +200,8 @@ def _int(rng, depth, avail):
     if k in (5, 6):
         c = int(rng.integers(1, 4))
         unary = _pick(rng, (lambda v: v // c, lambda v: v % c, lambda v: v * c, jnp.abs,
-                            jnp.negative, lambda v: (v.astype(F32) * 0.5).astype(jnp.int32)))
+                            jnp.negative, lambda v: (v.astype(F32) * 0.5).astype(jnp.int32),
+                            lambda v: (v.astype(jnp.int8) * CONST_I8).astype(jnp.int32)))
         return lambda e: unary(x(e))
     cond = _bool(rng, depth - 1, avail)
     return lambda e: jnp.where(cond(e), x(e), y(e))
@@ -231,7 +241,8 @@ def _float(rng, depth, avail):
         return _bh_float(rng, avail)
     if k == 4:
         c = float(rng.uniform(-2, 2))
-        return lambda e: jnp.float32(c)
+        return _pick(rng, (lambda e: jnp.float32(c), lambda e: CONST_S * c,
+                           lambda e: CONST_1111))
     if k == 5:
         x, c = _int(rng, max(depth - 1, 0), avail), float(rng.uniform(0.05, 0.5))
         return lambda e: x(e).astype(F32) * c
@@ -250,6 +261,11 @@ def _float(rng, depth, avail):
     if k in (11, 12):
         cond = _bool(rng, depth - 1, avail)
         return lambda e: jnp.where(cond(e), x(e), y(e))
+    if k == 14:  # float -> 8-bit casts (XLA saturates) of exactly rounded values only, so
+        # that no ulp of difference crosses an integer
+        r, c = _side_float(rng, _pick(rng, ("q", "kv")), avail), float(rng.uniform(10, 60))
+        dt = _pick(rng, (jnp.int8, jnp.uint8))
+        return lambda e: (e["s"] * c + r(e)).astype(dt).astype(F32) * 0.01
     if k == 13:  # a float read per row or column times a position difference (ALiBi-like)
         r, i = _side_float(rng, _pick(rng, ("q", "kv")), avail), _int(rng, 1, avail)
         return lambda e: r(e) * (e["kv"] - e["q"]).astype(F32) * 0.1 + x(e) * i(e).astype(F32)
@@ -277,7 +293,9 @@ def _arg_read(rng, names):
         "vh": lambda e: e["vh"][e["h"]],
         "vb": lambda e: e["vb"][e["b"]] * (e["q"] - e["kv"]).astype(F32) * 0.1,
         "temp": lambda e: e["temp"] * e["q"].astype(F32),
-        "half": lambda e: e["half"][e["b"], c].astype(F32) + e["half"][e["b"], idx(e)],
+        "bf16": lambda e: (e["bf16"][e["b"], iq(e)] - e["bf16"][e["b"], ikv(e)]).astype(F32)
+        + e["bf16"][e["b"], c],
+        "f16": lambda e: (e["f16"][e["b"], iq(e)] * e["f16"][e["b"], ikv(e)]).astype(F32),
         "nb": lambda e: jnp.where(e["kv"] < e["nb"][e["b"]], 0.5, -0.5),
         "big": lambda e: jnp.where(e["big"][e["b"], iq(e)] == e["big"][e["b"], ikv(e)],
                                    0.5, -0.5),
@@ -372,7 +390,7 @@ def _run(make, seeds):
                     lowered, args, check = make(seed)
                 except (AssertionError, Unsupported) as e:
                     raise AssertionError(f"seed {seed}: {type(e).__name__}: {e}") from None
-                jobs.append((seed, pool.submit(lowered.compile), args, check))
+                jobs.append((seed, pool.submit(lowered.compile, _FAST), args, check))
             for seed, compiled, args, check in jobs:
                 try:
                     check(compiled.result()(*args))
@@ -485,7 +503,7 @@ def _gradients(seed, counts):
     fn, args = _program(seed)
     split = kernel_score.split(fn, _specs(args), B, H, S_Q, S_KV)
     g = jax.random.normal(jax.random.key(seed), (B, H, S_Q, S_KV), F32)
-    # float32 args are differentiated; integer, bool (and the bfloat16 table) held fixed
+    # float32 args are differentiated; integer, bool, 16-bit float tables held fixed
     diff = [i for i, a in enumerate(args) if jnp.result_type(a) == F32]
     counts.append(len(diff))
 
@@ -502,10 +520,12 @@ def _gradients(seed, counts):
         want_y = _truth(fn, with_floats(fargs))
         rows, cols = split.values(with_floats(fargs))
         # as the kernels: dq's tile (q along rows) owns the row values, dk/dv's key-major
-        # tile the column values; and once with both sides on the reference's tile
+        # tile the column values; and once with both sides on the reference's tile (full
+        # value tiles, as the kernels: on "narrow" ones a float16 value's gradient would
+        # be summed in float16)
         pulls = [_pullbacks(split, rows, cols, "tile", ("q",), g),
                  _pullbacks(split, rows, cols, "tile_t", ("kv",), g),
-                 _pullbacks(split, rows, cols, ("ref", "narrow")[seed % 2], ("q", "kv"), g)]
+                 _pullbacks(split, rows, cols, "ref", ("q", "kv"), g)]
         # the value gradients summed to the values, carried to the float args
         _, vjp = jax.vjp(lambda *fa: split.values(with_floats(fa)), *fargs)
         got = vjp((_cotangents(rows, split.floats[0], pulls[0][2]),
@@ -559,13 +579,17 @@ def _bad_term(rng):
         (lambda e: e["t"][e["h"], jnp.clip((e["s"] * w).astype(jnp.int32), 0, L - 1)],
          BY_SCORE),
         (lambda e: e["t"][e["h"], jnp.where(e["s"] > 0, e["q"], e["kv"])], BY_SCORE),
+        # operations no kernel runs (they read nothing: the message must not say "reads")
         (lambda e: -jnp.max(e["s"]) * 0.1, NOT_ELEMENTWISE),
+        (lambda e: jnp.cumsum(e["s"] * e["t"][e["h"], e["q"]], axis=-1), NOT_ELEMENTWISE),
+        (lambda e: jnp.cumsum(e["t"][e["h"], e["q"]] * e["kv"], axis=-1), NOT_ELEMENTWISE),
+        (lambda e: jnp.max(r(e) - c(e), axis=-1, keepdims=True) * 0.5, NOT_ELEMENTWISE),
     ))
 
 
 def test_random_reads_with_no_in_kernel_form_are_refused():
     rules = set()
-    for seed in range(30):
+    for seed in range(40):
         fn, args = _program(seed)
         term, why = _bad_term(np.random.default_rng(10_000 + seed))
         rules.add(why)
@@ -579,5 +603,39 @@ def test_random_reads_with_no_in_kernel_form_are_refused():
         with pytest.raises(Unsupported, match=why) as info:
             kernel_score.split(mixed, specs, B, H, S_Q, S_KV)
         assert "score_mod that reads arrays" in str(info.value), (seed, str(info.value))
+        if why == NOT_ELEMENTWISE:
+            assert "reads an array" not in str(info.value), (seed, str(info.value))
         assert hoisting.reason(mixed, specs, B, H, S_Q, S_KV, hoisting.SCORE) == str(info.value)
     assert rules == {BOTH, BY_SCORE, NOT_ELEMENTWISE}
+
+
+# ---- the hoisting bugs this generator found, as plain cases ----------------------------------
+def test_bfloat16_values_reach_the_tiles():
+    """bfloat16 values are floats (NumPy's issubdtype says not): hoisted as float words."""
+    x = ARRAYS["bf16"]
+    fn = lambda s, b, h, q, kv, x: s + x[b, q] * x[b, kv]  # noqa: E731  (bfloat16 on the tiles)
+    split = kernel_score.split(fn, _specs([x]), B, H, S_Q, S_KV)
+    assert split.floats == ((True,), (True,))
+    rows, cols = split.values([x])
+    np.testing.assert_allclose(np.asarray(_kernel_side(split, rows, cols, "tile")),
+                               np.asarray(_truth(fn, [x]), np.float32), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8])
+def test_float_to_8bit_casts_on_the_tiles_saturate(dtype):
+    """As XLA's convert: 150.3 -> int8 127 (through int32 and wrapped it was -106)."""
+    t = ARRAYS["tb"]
+    fn = lambda s, b, h, q, kv, t: (s * 60).astype(dtype).astype(F32) + t[b, q]  # noqa: E731
+    split = kernel_score.split(fn, _specs([t]), B, H, S_Q, S_KV)
+    rows, cols = split.values([t])
+    np.testing.assert_allclose(np.asarray(_kernel_side(split, rows, cols, "tile")),
+                               np.asarray(_truth(fn, [t])), rtol=1e-6, atol=1e-6)
+
+
+def test_operations_on_read_values_are_named():
+    """An operation no kernel runs on values that read arrays is named as that operation,
+    not as a read (it was "reads an array at an index that depends on the score")."""
+    t = ARRAYS["tb"]
+    with pytest.raises(Unsupported, match="its cumsum of values of the score is no elementwise"):
+        kernel_score.split(lambda s, b, h, q, kv, t: jnp.cumsum(s + t[b, q], axis=-1),
+                           _specs([t]), B, H, S_Q, S_KV)

@@ -57,6 +57,7 @@ _ELEMENTWISE = frozenset({
     "integer_pow", "square", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "floor", "ceil", "round", "exp", "exp2", "log", "sqrt", "rsqrt", "pow",
     "is_finite", "tanh", "logistic"})
+_READS = frozenset({"gather", "dynamic_slice"})  # what jnp indexing becomes
 _SAME_SHAPES = frozenset({"select_n", "clamp"})  # (lax broadcasts only scalars here)
 
 _REASONS = {
@@ -142,7 +143,8 @@ def hoist(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
             d = dep[e.outs[0]]
             raise Unsupported(_refusal(kind, (
                 f"it reads an array at an index that depends on {_both(d)} (only per-row, "
-                "per-column or per-(batch, head) reads are hoisted)") if d & _ARG else (
+                "per-column or per-(batch, head) reads are hoisted)")
+                if e.prim.name in _READS and d & _ARG else (
                 f"its {e.prim.name} of values of {_both(d)} is no elementwise operation")))
     while True:
         bad = [(v, why) for v in frontier
@@ -227,6 +229,9 @@ def _on_tiles(e: Eqn, ins):
         return ins[0]
     if name == "convert_element_type" and _narrow(dt):
         params = dict(params, new_dtype=np.dtype(np.int32))
+        if _is_float(e.ins[0].aval.dtype):  # XLA saturates a float -> int cast
+            info = np.iinfo(dt)
+            ins = [jnp.clip(ins[0], float(info.min), float(info.max))]
     if name in ("shift_right_logical", "population_count"):  # of the 8-bit pattern
         ins = [x & 255 if _narrow(v.aval.dtype) else x for x, v in zip(ins, e.ins)]
     x = e.prim.bind(*_aligned(name, ins), **params)
@@ -297,7 +302,7 @@ def _problem(kind, v, d, batch, heads, s_q, s_kv) -> Optional[str]:
 
 
 def _is_float(dtype) -> bool:
-    return np.issubdtype(dtype, np.floating)
+    return jnp.issubdtype(dtype, jnp.floating)  # (bfloat16 too, unlike NumPy's)
 
 
 def _keeps_layout(e: Eqn, dims) -> bool:
