@@ -37,7 +37,7 @@ from ..block_sparse.attention import (block_sparse_attention, block_sparse_atten
 from ..block_sparse.builders import from_element
 from ..block_sparse.dependence import Reads, mask_mod_reads
 from ..block_sparse import kernel_score
-from ..block_sparse.hoisting import MASK, SCORE, reason
+from ..block_sparse.hoisting import MASK, Unsupported, reason
 from ..block_sparse.kernel_parts import BLOCK
 from ..block_sparse.terms import Dense, ElementMask, MaskMod
 from ..config import AttnConfig
@@ -116,9 +116,11 @@ def args_reason(config: AttnConfig) -> Optional[str]:
     mask_mod, score_mod = parts(config)
     specs = _arg_specs(config)
     try:
-        if score_mod is not None and (why := reason(score_mod, specs, config.batch, config.h_q,
-                                                     config.s_q, config.s_kv, SCORE)):
-            return why
+        try:  # (the split the kernels run, cached: no second hoisting of the score_mod)
+            kernel_score.split(score_mod, specs, config.batch, config.h_q, config.s_q,
+                               config.s_kv)
+        except Unsupported as e:
+            return str(e)
         if mask_mod is None or not mask_reads(config).args:
             return None
         reads = mask_reads(config)

@@ -20,8 +20,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, bh_index as _bh, col_vector,
-                           cols_of, iota, logits, matmul_acc, matmul_acc2, matmul_t2, row_vector,
-                           rows_of, smem_tiled, tile)
+                           cols_of, counts, iota, logits, matmul_acc, matmul_acc2, matmul_t2,
+                           row_vector, rows_of, smem_tiled, tile, value_scratch)
 
 HALF = BLOCK // 2
 
@@ -35,12 +35,6 @@ def _unpack(refs, n_qa, n_ka, has_dense, n_sq, n_skv):
     sq = refs.pop(0) if n_sq else None
     skv = refs.pop(0) if n_skv else None
     return head, lists, (qa, ka, dense, sq, skv), refs
-
-
-def _counts(kmask: KernelMask, score_values):
-    """How many mask arrays (q, kv) and score value words (q, kv) a call has."""
-    return tuple(0 if x is None else x.shape[a] for x, a in (
-        (kmask.q_arrays, 1), (kmask.kv_arrays, 1), (score_values[0], 2), (score_values[1], 2)))
 
 
 def _row_sums(accs, tiles, floats):
@@ -68,7 +62,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
     sq, skv = score_values
-    n_qa, n_ka, n_sq, n_skv = _counts(kmask, score_values)
+    n_qa, n_ka, n_sq, n_skv = counts(kmask, score_values)
     q_floats = score.q_floats if n_sq else ()
     d_values = any(q_floats)
     hw = interpret is None
@@ -204,7 +198,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NWG, ROWS, D), dt),
                plgpu.SMEM((NWG, 2, ROWS), F32),
                smem_tiled((NSTAGE, width, D), dt), smem_tiled((NSTAGE, width, D), dt)]
-    scratch += _value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, width),
+    scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, width),
                               shape)
     scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
@@ -218,22 +212,6 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                (q, k, v, do, lse_delta, *lists, *extra), interpret)
     return got[0], (got[1] if d_values else None)
 
-
-def _value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_tile):
-    """SMEM for the mask arrays, the dense mask tile and the score value words: the q
-    side's and kv side's (count, positions) buffers per warpgroup or per stage."""
-    scratch = []
-    if n_qa:
-        scratch.append(plgpu.SMEM((q_side[0], n_qa, q_side[1]), jnp.int32))
-    if n_ka:
-        scratch.append(plgpu.SMEM((kv_side[0], n_ka, kv_side[1]), jnp.int32))
-    if kmask.dense is not None:
-        scratch.append(plgpu.SMEM((NWG,) + dense_tile, jnp.int16))
-    if n_sq:
-        scratch.append(plgpu.SMEM((q_side[0], n_sq, q_side[1]), F32))
-    if n_skv:
-        scratch.append(plgpu.SMEM((kv_side[0], n_skv, kv_side[1]), F32))
-    return scratch
 
 
 def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
@@ -249,7 +227,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
     sq, skv = score_values
-    n_qa, n_ka, n_sq, n_skv = _counts(kmask, score_values)
+    n_qa, n_ka, n_sq, n_skv = counts(kmask, score_values)
     kv_floats = score.kv_floats if n_skv else ()
     d_values = any(kv_floats)
     hw = interpret is None
@@ -386,7 +364,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NWG, ROWS, D), dt),
                smem_tiled((NSTAGE, HALF, D), dt), smem_tiled((NSTAGE, HALF, D), dt),
                plgpu.SMEM((NSTAGE, 2, HALF), F32)]
-    scratch += _value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NSTAGE, HALF), (NWG, ROWS),
+    scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NSTAGE, HALF), (NWG, ROWS),
                               (ROWS, HALF))
     scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),

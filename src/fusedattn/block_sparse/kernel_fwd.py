@@ -21,8 +21,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, bh_index as _bh, col_vector,
-                           cols_of, iota, logits, matmul_acc, matmul_t, row_vector, rows_of,
-                           smem_tiled, tile)
+                           cols_of, counts, iota, logits, matmul_acc, matmul_t, row_vector,
+                           rows_of, smem_tiled, tile, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
@@ -38,11 +38,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
     n_tiles = S // BLOCK
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
-    n_qa = 0 if qa is None else qa.shape[1]
-    n_ka = 0 if ka is None else ka.shape[1]
     sq, skv = score_values
-    n_sq = 0 if sq is None else sq.shape[2]
-    n_skv = 0 if skv is None else skv.shape[2]
+    n_qa, n_ka, n_sq, n_skv = counts(kmask, score_values)
     extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
     hw = interpret is None
     per_block = n_ka or n_skv  # arrays beside K: K's slot is freed after the mask
@@ -194,16 +191,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
 
     scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NSTAGE, BLOCK, D), dt),
                smem_tiled((NSTAGE, BLOCK, D), dt), plgpu.SMEM((NWG, ROWS), F32)]
-    if n_qa:
-        scratch.append(plgpu.SMEM((NWG, n_qa, ROWS), jnp.int32))
-    if n_ka:
-        scratch.append(plgpu.SMEM((NSTAGE, n_ka, BLOCK), jnp.int32))
-    if dense is not None:
-        scratch.append(plgpu.SMEM((NWG, ROWS, BLOCK), jnp.int16))
-    if n_sq:
-        scratch.append(plgpu.SMEM((NWG, n_sq, ROWS), F32))
-    if n_skv:
-        scratch.append(plgpu.SMEM((NSTAGE, n_skv, BLOCK), F32))
+    scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, BLOCK),
+                             (ROWS, BLOCK))
     scratch += [plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),

@@ -96,6 +96,29 @@ def cols_of(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
+def counts(kmask, score_values):
+    """How many mask arrays (q, kv) and score value words (q, kv) a call has."""
+    return tuple(0 if x is None else x.shape[a] for x, a in (
+        (kmask.q_arrays, 1), (kmask.kv_arrays, 1), (score_values[0], 2), (score_values[1], 2)))
+
+
+def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_tile):
+    """SMEM for the mask arrays, the dense mask tile and the score value words: the q
+    side's and kv side's (count, positions) buffers per warpgroup or per stage."""
+    scratch = []
+    if n_qa:
+        scratch.append(plgpu.SMEM((q_side[0], n_qa, q_side[1]), jnp.int32))
+    if n_ka:
+        scratch.append(plgpu.SMEM((kv_side[0], n_ka, kv_side[1]), jnp.int32))
+    if kmask.dense is not None:
+        scratch.append(plgpu.SMEM((NWG,) + dense_tile, jnp.int16))
+    if n_sq:
+        scratch.append(plgpu.SMEM((q_side[0], n_sq, q_side[1]), F32))
+    if n_skv:
+        scratch.append(plgpu.SMEM((kv_side[0], n_skv, kv_side[1]), F32))
+    return scratch
+
+
 def bh_index(x, b, h):
     """The (batch, head) index into an array ``[B|1, H|1, ...]`` (0 where broadcast)."""
     return (b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0)
