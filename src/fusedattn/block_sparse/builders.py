@@ -84,7 +84,10 @@ def from_segment_ids(q_segment_ids, kv_segment_ids=None, *, pad_id: Optional[int
                      block: Tuple[int, int] = DEFAULT_BLOCK) -> BlockMap:
     """Documents: query ``i`` sees key ``j`` of its row when their ids ``[b, s]`` are
     equal and not ``pad_id`` (None: no id is padding). Ids may come in any order;
-    q and kv ids may differ. ``mask`` / ``window`` apply to raw row indices."""
+    q and kv ids may differ. ``mask`` / ``window`` apply to raw row indices.
+    The map is exact when ids lie in ``[0, s_q + s_kv)`` (as segment ids are made:
+    0..n_docs, 0 the padding); other ids may make a block partial that could be
+    empty (never wrong: partial blocks apply the exact mask)."""
     q_ids = _ids(q_segment_ids)
     kv_ids = q_ids if kv_segment_ids is None else _ids(kv_segment_ids)
     s_q, s_kv = q_ids.shape[1], kv_ids.shape[1]

@@ -6,8 +6,8 @@ program). Others run on the device, a group of query blocks at a time
 (`lax.map`), so the largest intermediate is a few query blocks by all keys,
 never the whole ``s_q x s_kv`` grid. Three shapes skip the element-wise work:
 per-row key intervals (the built-in masks) need O(s_q x key blocks), segment ids
-need a sort and a per-block count of each id (`_segments`), and a dense mask is
-reduced as it is (it is already ``s_q x s_kv``).
+need a per-block count of each id, reduced mod ``s_q + s_kv`` (`_segments`), and a
+dense mask is reduced as it is (it is already ``s_q x s_kv``).
 """
 from __future__ import annotations
 
@@ -148,21 +148,29 @@ def _dense(mask, element: ElementMask, block, xp):
 
 
 def _segments(term: Segments, element: ElementMask, block, xp):
-    """Exact kinds of a documents mask without its pairs: ids are ranked (one sort per
-    row), each block counts its (non-pad) ids, and a block pair is touched when the
-    product of two blocks' counts is non-zero; full when both blocks hold one id,
-    the same, with no padding and no overhang."""
+    """Kinds of a documents mask without its pairs. Each block counts its (non-pad)
+    ids by rank ``id mod (s_q + s_kv)``, and a block pair is touched when the product
+    of two blocks' counts is non-zero; full when both blocks hold one raw id, the
+    same, with no padding and no overhang.
+
+    Exact when ids lie in ``[0, s_q + s_kv)``, as segment ids are made (0..n_docs,
+    0 the padding): the rank is then the id. Other ids may share a rank, so a pair
+    of blocks sharing no id may be touched: partial instead of empty, which is safe
+    (partial blocks apply the element mask). Full and the padding test read raw ids,
+    so a block is never full, nor empty, wrongly."""
     bq, bk = block
     s_q, s_kv = element.s_q, element.s_kv
     B = term.batch
     q = xp.broadcast_to(xp.asarray(term.q_ids), (B, s_q))
     kv = xp.broadcast_to(xp.asarray(term.kv_ids), (B, s_kv))
+    # One promoted dtype for both sides, so raw ids compare as one array would.
     ids = xp.concatenate([q, kv], axis=1)
-    order = xp.argsort(ids, axis=1)
-    ranked = xp.take_along_axis(ids, order, axis=1)
-    new = xp.concatenate([xp.ones((B, 1), bool), ranked[:, 1:] != ranked[:, :-1]], axis=1)
-    rank = xp.take_along_axis(xp.cumsum(new, axis=1) - 1, xp.argsort(order, axis=1), axis=1)
+    q, kv = ids[:, :s_q], ids[:, s_q:]
     n_ids = s_q + s_kv
+    # No sort: the rank is the id mod n_ids (non-negative), computed in at least
+    # 32 bits so that n_ids fits the dtype.
+    wide = ids if ids.dtype.itemsize >= 4 else ids.astype(np.int32)
+    rank = xp.mod(wide, n_ids).astype(np.int32)
 
     def per_block(rank, ids, size):
         s = ids.shape[1]
@@ -172,10 +180,10 @@ def _segments(term: Segments, element: ElementMask, block, xp):
                               (xp.arange(B)[:, None], xp.arange(s)[None, :] // size, rank),
                               valid.astype(np.float32))
         pad = ((0, 0), (0, n * size - s))
-        r = xp.pad(rank, pad, constant_values=-1).reshape(B, n, size)
+        raw = xp.pad(ids, pad).reshape(B, n, size)  # overhang is excluded by `whole`
         whole = xp.pad(valid, pad).reshape(B, n, size).all(axis=2)
-        one_id = whole & (r.min(axis=2) == r.max(axis=2))
-        return counts, one_id, r[:, :, 0]
+        one_id = whole & (raw.min(axis=2) == raw.max(axis=2))
+        return counts, one_id, raw[:, :, 0]
 
     cq, q_one, q_id = per_block(rank[:, :s_q], q, bq)
     ck, kv_one, kv_id = per_block(rank[:, s_q:], kv, bk)
