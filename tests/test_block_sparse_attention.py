@@ -107,3 +107,27 @@ def test_lengths_past_a_block_boundary(family):
     assert rel_error(out, ref_out) < 1e-4
     for g, r in zip(vjp(do), ref_grads):
         assert g.shape == r.shape and rel_error(g, r) < 1e-4
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 256, 256), (1, 3, 300, 200)])
+def test_dense_mask_bits_round_trip(shape):
+    """A dense mask travels as int32 words (bit k of word w: key 32w + k), word-major;
+    unpacking any tile, in either orientation, gives the mask back, padding invisible."""
+    from fusedattn.block_sparse.kernel_mask import pack_bits
+    from fusedattn.block_sparse.kernel_parts import WORD, unpack_bits, whole
+    mask = np.random.default_rng(3).random(shape) < 0.5
+    mask[..., 0, :] = True                         # bit 31 set: the sign bit of a word
+    sq, skv = whole(shape[2]), whole(shape[3])
+    words = np.asarray(pack_bits(mask, sq, skv))
+    assert words.dtype == np.int32 and words.shape == shape[:2] + (skv // WORD, sq)
+    padded = np.zeros(shape[:2] + (sq, skv), bool)
+    padded[..., :shape[2], :shape[3]] = mask
+    for q0, k0 in [(0, 0), (128, 128), (64, 32)]:
+        # rows are queries (forward, dq): one word vector per word row, keys on columns
+        w = [x[:, None] for x in words[0, 0, k0 // WORD:k0 // WORD + 2, q0:q0 + 64]]
+        got = np.asarray(unpack_bits(w, np.arange(64)[None, :]))
+        np.testing.assert_array_equal(got, padded[0, 0, q0:q0 + 64, k0:k0 + 64])
+        # rows are keys (dk / dv): the same words as column vectors
+        w = [x[None, :] for x in words[0, 0, k0 // WORD:k0 // WORD + 2, q0:q0 + 64]]
+        got = np.asarray(unpack_bits(w, np.arange(64)[:, None]))
+        np.testing.assert_array_equal(got, padded[0, 0, q0:q0 + 64, k0:k0 + 64].T)

@@ -20,7 +20,7 @@ import numpy as np
 from . import kernel_bwd, kernel_fwd, reference
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
-from .kernel_parts import BLOCK
+from .kernel_parts import BLOCK, whole
 from .kernel_score import kernel_score
 
 IMPLEMENTATIONS = ("mosaic", "reference")
@@ -116,8 +116,8 @@ def _score(score_mod, score_mod_args, batch, heads, s_q, s_kv):
     score = kernel_score(score_mod, tuple(score_mod_args), batch, heads, s_q, s_kv)
     if score is None:
         return None, (None, None)
-    return score.fn, (_pad_tokens(score.q_values, _whole(s_q), axis=3),
-                      _pad_tokens(score.kv_values, _whole(s_kv), axis=3))
+    return score.fn, (_pad_tokens(score.q_values, whole(s_q), axis=3),
+                      _pad_tokens(score.kv_values, whole(s_kv), axis=3))
 
 
 def _operands(q, k, v, bm, scale, implementation):
@@ -129,17 +129,13 @@ def _operands(q, k, v, bm, scale, implementation):
     # Lengths past a block boundary: the arrays padded to whole blocks (the map already
     # has the blocks; the key padding is masked in the last block, which is never full,
     # and the padded rows' outputs are cut off, so their cotangent is 0).
-    q, k, v = (_pad_tokens(x, _whole(x.shape[1])) for x in (q, k, v))
+    q, k, v = (_pad_tokens(x, whole(x.shape[1])) for x in (q, k, v))
     fwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
     bwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
     return km.fn, scale, impl, (q, k, v), (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays,
                                            km.dense)
-
-
-def _whole(s: int) -> int:
-    return -(-s // BLOCK) * BLOCK
 
 
 def _pad_tokens(x, size: int, axis: int = 1):
@@ -151,18 +147,16 @@ def _pad_tokens(x, size: int, axis: int = 1):
 
 
 def _padded(km: KernelMask, s_q: int, s_kv: int) -> KernelMask:
-    """The kernel mask over whole blocks: its arrays padded, and keys past s_kv hidden."""
+    """The kernel mask over whole blocks: its arrays padded (a dense mask's words come
+    whole), and keys past s_kv hidden."""
     if s_q % BLOCK == 0 and s_kv % BLOCK == 0:
         return km
     fn = km.fn
     if s_kv % BLOCK:
         def fn(b, h, q, kv, qv, kvv, d, inner=km.fn):
             return inner(b, h, q, kv, qv, kvv, d) & (kv < s_kv)
-    dense = km.dense
-    if dense is not None:
-        dense = _pad_tokens(_pad_tokens(dense, _whole(s_q), axis=2), _whole(s_kv), axis=3)
-    return KernelMask(_pad_tokens(km.q_arrays, _whole(s_q), axis=2),
-                      _pad_tokens(km.kv_arrays, _whole(s_kv), axis=2), dense, fn)
+    return KernelMask(_pad_tokens(km.q_arrays, whole(s_q), axis=2),
+                      _pad_tokens(km.kv_arrays, whole(s_kv), axis=2), km.dense, fn)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -197,8 +191,7 @@ def _bwd(fn, scale, score, impl, res, cts):
     kw = dict(scale=scale, score=score, score_values=values)
     if impl == "mosaic":
         dq, d_q_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
-        km_t = km if dense is None else km._replace(dense=jnp.swapaxes(dense, -1, -2))
-        dk, dv, d_kv_values = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km_t, **kw)
+        dk, dv, d_kv_values = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km, **kw)
     else:
         dq, d_q_values = reference.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
         dk, dv, d_kv_values = reference.dkv(q, k, v, do, lse_delta, bwd_lists, km, **kw)

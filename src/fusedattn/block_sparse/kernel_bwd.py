@@ -19,9 +19,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
-from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, bh_index as _bh, col_vector,
-                           cols_of, counts, iota, logits, matmul_acc, matmul_acc2, matmul_t2,
-                           row_vector, rows_of, smem_tiled, tile, value_scratch)
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
+                           col_vector, cols_of, counts, dense_visible, iota, logits, matmul_acc,
+                           matmul_acc2, matmul_t2, row_vector, rows_of, smem_tiled,
+                           value_scratch)
 
 HALF = BLOCK // 2
 
@@ -137,11 +138,9 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                            for r in range(n_ka)]
                     d = None
                     if dense is not None:
-                        at = _bh(dense, b, h)
-                        plgpu.copy_gmem_to_smem(d_ref.at[at + (rows, pl.ds(k0, width))],
-                                                d_smem.at[wg], d_ready.at[wg])
-                        plgpu.barrier_wait(d_ready.at[wg])
-                        d = tile(d_smem.at[wg], interpret) != 0
+                        d = dense_visible(d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
+                                          pl.ds(k0 // WORD, width // WORD), rows, 1, shape,
+                                          interpret)
                     return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
 
                 def values():
@@ -199,7 +198,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                plgpu.SMEM((NWG, 2, ROWS), F32),
                smem_tiled((NSTAGE, width, D), dt), smem_tiled((NSTAGE, width, D), dt)]
     scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, width),
-                              shape)
+                              (width // WORD, ROWS))
     scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
@@ -219,7 +218,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     """(dk, dv) [B, S_kv, H, D] per query head, in k's dtype, and with a score's float
     kv values their gradient [B, H, m, S_kv] f32 (else None); `lists` are the
     key-major ones of the map (q_num_blocks, q_indices, full_q_*). A dense mask term
-    must come transposed: [B|1, H|1, S_kv, S_q]."""
+    has the forward's words (`kernel_parts.WORD`)."""
     B, S, H, D = q.shape
     S_kv = k.shape[1]
     group = H // k.shape[2]
@@ -296,11 +295,9 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     kvv = [rows_of(x, shape) for x in kv_vals]
                     d = None
                     if dense is not None:
-                        at = _bh(dense, b, h)
-                        plgpu.copy_gmem_to_smem(d_ref.at[at + (keys, pl.ds(q0, HALF))],
-                                                d_smem.at[wg], d_ready.at[wg])
-                        plgpu.barrier_wait(d_ready.at[wg])
-                        d = tile(d_smem.at[wg], interpret) != 0
+                        d = dense_visible(d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
+                                          pl.ds(k0 // WORD, ROWS // WORD), pl.ds(q0, HALF), 0,
+                                          shape, interpret)
                     return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
 
                 def values():
@@ -365,7 +362,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                smem_tiled((NSTAGE, HALF, D), dt), smem_tiled((NSTAGE, HALF, D), dt),
                plgpu.SMEM((NSTAGE, 2, HALF), F32)]
     scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NSTAGE, HALF), (NWG, ROWS),
-                              (ROWS, HALF))
+                              (ROWS // WORD, HALF))
     scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),

@@ -20,9 +20,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
-from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, Lists, bh_index as _bh, col_vector,
-                           cols_of, counts, iota, logits, matmul_acc, matmul_t, row_vector,
-                           rows_of, smem_tiled, tile, value_scratch)
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
+                           col_vector, cols_of, counts, dense_visible, iota, logits, matmul_acc,
+                           matmul_t, row_vector, rows_of, smem_tiled, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
@@ -114,12 +114,9 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                            for r in range(n_ka)]
                     d = None
                     if dense is not None:
-                        at = _bh(dense, b, h)
-                        plgpu.copy_gmem_to_smem(
-                            d_ref.at[at + (pl.ds(q0, ROWS), pl.ds(j * BLOCK, BLOCK))],
-                            d_smem.at[wg], d_ready.at[wg])
-                        plgpu.barrier_wait(d_ready.at[wg])
-                        d = tile(d_smem.at[wg], interpret) != 0
+                        d = dense_visible(d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
+                                          pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
+                                          pl.ds(q0, ROWS), 1, shape, interpret)
                     return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
 
                 def values():
@@ -192,7 +189,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
     scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NSTAGE, BLOCK, D), dt),
                smem_tiled((NSTAGE, BLOCK, D), dt), plgpu.SMEM((NWG, ROWS), F32)]
     scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, BLOCK),
-                             (ROWS, BLOCK))
+                             (BLOCK // WORD, ROWS))
     scratch += [plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),

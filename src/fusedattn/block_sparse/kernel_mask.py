@@ -16,14 +16,30 @@ import jax.numpy as jnp
 import numpy as np
 
 from .hoisting import Unsupported, hoist  # (Unsupported: this module's error too)
+from .kernel_parts import WORD, whole
 from .terms import Dense, ElementMask, Intervals, MaskMod, Segments, row_at
 
 
 class KernelMask(NamedTuple):
     q_arrays: Optional[jnp.ndarray]   # int32 [B|1, n, s_q] or None
     kv_arrays: Optional[jnp.ndarray]  # int32 [B|1, n, s_kv] or None
-    dense: Optional[jnp.ndarray]      # int16 [B|1, H|1, s_q, s_kv] or None
+    dense: Optional[jnp.ndarray]      # int32 bits [B|1, H|1, whole s_kv / 32, whole s_q] or None
     fn: Callable                      # (b, h, q, kv, q_vals, kv_vals, dense) -> bool
+
+
+def pack_bits(mask, s_q_whole: int, s_kv_whole: int):
+    """A boolean mask ``[B|1, H|1, s_q, s_kv]`` as int32 words ``[B|1, H|1, s_kv_whole
+    / 32, s_q_whole]`` (padding not visible; the layout: `kernel_parts.WORD`)."""
+    B, H, s_q, s_kv = mask.shape
+    m = jnp.pad(jnp.asarray(mask, bool),
+                ((0, 0), (0, 0), (0, s_q_whole - s_q), (0, s_kv_whole - s_kv)))
+    # Bytes of 8 keys, then 4 bytes a word (bitcast: the first byte is the low one):
+    # XLA reduces 8 bytes a step faster than 32 words.
+    m = m.reshape(B, H, s_q_whole, s_kv_whole // 8, 8).astype(jnp.uint8)
+    octets = (m << jnp.arange(8, dtype=jnp.uint8)).sum(-1, dtype=jnp.uint8)
+    words = jax.lax.bitcast_convert_type(
+        octets.reshape(B, H, s_q_whole, s_kv_whole // WORD, WORD // 8), jnp.int32)
+    return jnp.swapaxes(words, -1, -2)
 
 
 def kernel_mask(element: ElementMask) -> KernelMask:
@@ -62,7 +78,7 @@ def kernel_mask(element: ElementMask) -> KernelMask:
         elif isinstance(term, Dense):
             if dense is not None:
                 raise Unsupported("more than one dense mask term")
-            dense = jnp.asarray(term.mask).astype(jnp.int16)
+            dense = pack_bits(term.mask, whole(element.s_q), whole(element.s_kv))
             parts.append(lambda b, h, q, kv, qv, kvv, d: d)
         else:
             raise Unsupported(f"no in-kernel form for mask term {type(term).__name__}")

@@ -22,6 +22,16 @@ LOG2E = math.log2(math.e)
 F32 = jnp.float32
 # Two compute warpgroups of 64 rows own a 128-row tile: the map's block size.
 BLOCK, ROWS, NWG, NSTAGE = 128, 64, 2, 2
+# A dense mask travels as bits: word w of query row q holds keys 32w .. 32w + 31
+# (bit k: key 32w + k), word-major, so a tile's words are a few row (or column)
+# vectors in either kernel orientation: no transposed copy for the backward, and
+# 1/16 of the bytes of an int16 mask.
+WORD = 32
+
+
+def whole(s: int) -> int:
+    """`s` positions padded to whole blocks."""
+    return -(-s // BLOCK) * BLOCK
 
 
 def smem_tiled(shape, dtype):
@@ -84,10 +94,6 @@ def col_vector(ref, interpret):
     return ref[...] if interpret else plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
 
 
-def tile(ref, interpret):
-    return ref[...] if interpret else plgpu.load(ref, layout=plgpu.Layout.WGMMA)
-
-
 def rows_of(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
@@ -102,16 +108,17 @@ def counts(kmask, score_values):
         (kmask.q_arrays, 1), (kmask.kv_arrays, 1), (score_values[0], 2), (score_values[1], 2)))
 
 
-def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_tile):
-    """SMEM for the mask arrays, the dense mask tile and the score value words: the q
-    side's and kv side's (count, positions) buffers per warpgroup or per stage."""
+def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_words):
+    """SMEM for the mask arrays, a dense mask tile's words (`dense_words`: (words,
+    queries) per warpgroup) and the score value words: the q side's and kv side's
+    (count, positions) buffers per warpgroup or per stage."""
     scratch = []
     if n_qa:
         scratch.append(plgpu.SMEM((q_side[0], n_qa, q_side[1]), jnp.int32))
     if n_ka:
         scratch.append(plgpu.SMEM((kv_side[0], n_ka, kv_side[1]), jnp.int32))
     if kmask.dense is not None:
-        scratch.append(plgpu.SMEM((NWG,) + dense_tile, jnp.int16))
+        scratch.append(plgpu.SMEM((NWG,) + dense_words, jnp.int32))
     if n_sq:
         scratch.append(plgpu.SMEM((q_side[0], n_sq, q_side[1]), F32))
     if n_skv:
@@ -122,6 +129,28 @@ def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_tile):
 def bh_index(x, b, h):
     """The (batch, head) index into an array ``[B|1, H|1, ...]`` (0 where broadcast)."""
     return (b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0)
+
+
+def dense_visible(d_ref, d_smem, ready, at, words, queries, key_axis, shape, interpret):
+    """A dense mask's tile, visible or not: its `words` (a slice of word rows) of the
+    `queries` copied to SMEM (`at`: the (batch, head) index) and unpacked; keys run
+    along the tile's `key_axis`."""
+    plgpu.copy_gmem_to_smem(d_ref.at[at + (words, queries)], d_smem, ready)
+    plgpu.barrier_wait(ready)
+    if key_axis == 1:
+        vecs = [rows_of(row_vector(d_smem.at[w], interpret), shape) for w in range(d_smem.shape[0])]
+    else:
+        vecs = [cols_of(col_vector(d_smem.at[w], interpret), shape) for w in range(d_smem.shape[0])]
+    return unpack_bits(vecs, iota(shape, key_axis, 0))
+
+
+def unpack_bits(words, key):
+    """Whether `key` (offsets from the first word's first key, an int tile) is visible
+    in `words` (the tile's words, each broadcast against `key`)."""
+    word = words[0]
+    for w in range(1, len(words)):
+        word = jnp.where((key >> 5) == w, words[w], word)
+    return ((word >> (key & (WORD - 1))) & 1) != 0
 
 
 def iota(shape, dim, start):

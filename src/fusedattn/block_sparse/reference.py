@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .kernel_mask import KernelMask
-from .kernel_parts import BLOCK, F32, LOG2E
+from .kernel_parts import BLOCK, F32, LOG2E, WORD, bh_index, unpack_bits
 from .kernel_score import apply
 
 
@@ -56,8 +56,9 @@ def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial):
     qv, kvv = _vals(kmask.q_arrays, b, q0, 0), _vals(kmask.kv_arrays, b, k0, 1)
     dense = None
     if kmask.dense is not None:
-        m = kmask.dense[b if kmask.dense.shape[0] > 1 else 0, h if kmask.dense.shape[1] > 1 else 0]
-        dense = lax.dynamic_slice(m, (q0, k0), (BLOCK, BLOCK)) != 0
+        m = kmask.dense[bh_index(kmask.dense, b, h)]
+        words = lax.dynamic_slice(m, (k0 // WORD, q0), (BLOCK // WORD, BLOCK))
+        dense = unpack_bits([w[:, None] for w in words], kv - k0)
     visible = kmask.fn(b, h, q, kv, qv, kvv, dense) | jnp.logical_not(partial)
     return jnp.where(visible, s * LOG2E, -jnp.inf), pull
 
