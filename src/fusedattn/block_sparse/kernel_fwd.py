@@ -1,7 +1,10 @@
 """Block-sparse attention forward as a Pallas Mosaic GPU kernel (Hopper).
 
-One CTA per (batch, head, 128-query tile): two compute warpgroups of 64 rows and
-one TMA warpgroup that streams the K/V blocks the tile's lists name. Empty blocks
+Persistent: one CTA per SM walks its share of the (batch, head, 128-query)
+tiles (`kernel_parts.Items`) with two compute warpgroups of 64 rows and one TMA
+warpgroup that streams each tile's Q and the K/V blocks its lists name, running
+ahead into the next tile while the compute warpgroups finish one (Q is double
+buffered; a tile's output leaves through its Q buffer). Empty blocks
 are never loaded; full blocks skip the mask; partial blocks evaluate the exact
 element mask from positions and small per-row / per-block arrays. The two
 compute warpgroups take turns on the tensor cores (a schedule barrier), so one's
@@ -20,9 +23,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
-from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
                            col_vector, cols_of, counts, dense_visible, iota, logits, matmul_acc,
-                           matmul_t, row_vector, rows_of, smem_tiled, value_scratch)
+                           matmul_t, persistent_programs, row_vector, rows_of, smem_tiled,
+                           value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
@@ -44,6 +48,9 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
     hw = interpret is None
     per_block = n_ka or n_skv  # arrays beside K: K's slot is freed after the mask
 
+    items = B * H * n_tiles
+    programs = persistent_programs(items, interpret)
+
     def body(*refs):
         q_ref, k_ref, v_ref, *refs = refs
         list_refs, refs = refs[:4], refs[4:]
@@ -59,13 +66,15 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
         sq_smem = refs.pop(0) if n_sq else None
         skv_smem = refs.pop(0) if n_skv else None
         (q_ready, k_ready, v_ready, k_free, v_free, sched, a_ready, ka_ready, d_ready,
-         s_ready, skv_ready) = refs
+         s_ready, skv_ready, q_free) = refs
 
-        b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
-        t = n_tiles - 1 - t                       # heavy (late causal) tiles first
-        h_kv = h // group
-        walk = Lists(list_refs, b, h, t, mb, mh)
-        n = walk.count
+        wg = lax.axis_index("wg")
+        mine = Items(items, programs, n_tiles, H)
+
+        def at(k):
+            """Item k of this program: its (b, h, t), list walk and Q buffer."""
+            b, h, t = mine.tile(k)
+            return b, h, t, Lists(list_refs, b, h, t, mb, mh), lax.rem(k, 2)
 
         def sched_sync():
             plgpu.barrier_arrive(sched)
@@ -75,88 +84,97 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
         def _compute():
             if hw:
                 plgpu.set_max_registers(232, action="increase")
-            q0 = t * BLOCK + wg * ROWS
-            qw = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, ROWS), h], qw, q_ready.at[wg])
-            if n_qa:
-                plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, pl.ds(q0, ROWS)],
-                                        qa_smem.at[wg], a_ready.at[wg])
-                plgpu.barrier_wait(a_ready.at[wg])
-            if n_sq:
-                plgpu.copy_gmem_to_smem(sq_ref.at[_bh(sq, b, h) + (slice(None), pl.ds(q0, ROWS))],
-                                        sq_smem.at[wg], s_ready.at[wg])
-                plgpu.barrier_wait(s_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
-            shape = (ROWS, BLOCK)
-            q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
-            q_words = [row_vector(sq_smem.at[wg, r], interpret) for r in range(n_sq)]
-            if hw:
-                pl.when(wg == 1)(sched_sync)
 
-            def step(i, carry):
-                acc, m, l = carry
-                slot = lax.rem(i, NSTAGE)
-                j, partial = walk.entry(i)
-                plgpu.barrier_wait(k_ready.at[slot])
-                if n_ka:
-                    plgpu.barrier_wait(ka_ready.at[slot])
-                if n_skv:
-                    plgpu.barrier_wait(skv_ready.at[slot])
-                s = matmul_t(qw, k_smem.at[slot], shape, interpret, sched_sync if hw else None)
-                if not per_block:
-                    plgpu.barrier_arrive(k_free.at[slot])
-                q_pos = lambda: iota(shape, 0, q0)
-                kv_pos = lambda: iota(shape, 1, j * BLOCK)
-
-                def visible():
-                    qv = [rows_of(x, shape) for x in q_vals]
-                    kvv = [cols_of(col_vector(ka_smem.at[slot, r], interpret), shape)
-                           for r in range(n_ka)]
-                    d = None
-                    if dense is not None:
-                        d = dense_visible(d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
-                                          pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
-                                          pl.ds(q0, ROWS), 1, shape, interpret)
-                    return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
-
-                def values():
-                    return ([rows_of(x, shape) for x in q_words],
-                            [cols_of(col_vector(skv_smem.at[slot, r], interpret), shape)
-                             for r in range(n_skv)])
-
-                s, _ = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
-                              values=values, partial=partial, visible=visible)
-                if per_block:
-                    plgpu.barrier_arrive(k_free.at[slot])
-                m_new = jnp.maximum(m, s.max(axis=1))
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no -inf - -inf
-                alpha = jnp.exp2(m - m_safe)
-                p = jnp.exp2(s - rows_of(m_safe, shape))
-                acc = acc * rows_of(alpha, acc.shape)
-                l = l * alpha + p.sum(axis=1)
-                p = p.astype(dt)
+            def one(item, base):
+                b, h, t, walk, buf = at(item)
+                n = walk.count
+                q0 = t * BLOCK + wg * ROWS
+                qw = q_smem.at[buf, wg]
+                if n_qa:
+                    plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, pl.ds(q0, ROWS)],
+                                            qa_smem.at[wg], a_ready.at[wg])
+                    plgpu.barrier_wait(a_ready.at[wg])
+                if n_sq:
+                    plgpu.copy_gmem_to_smem(sq_ref.at[_bh(sq, b, h) + (slice(None), pl.ds(q0, ROWS))],
+                                            sq_smem.at[wg], s_ready.at[wg])
+                    plgpu.barrier_wait(s_ready.at[wg])
+                plgpu.barrier_wait(q_ready.at[buf * NWG + wg])
+                shape = (ROWS, BLOCK)
+                q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
+                q_words = [row_vector(sq_smem.at[wg, r], interpret) for r in range(n_sq)]
                 if hw:
-                    acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
-                    plgpu.barrier_arrive(sched)            # softmax done
-                plgpu.barrier_wait(v_ready.at[slot])
-                if hw:
-                    plgpu.barrier_wait(sched)              # tensor cores ours
-                acc = matmul_acc(acc, p, v_smem.at[slot], interpret)
-                plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
+                    pl.when(wg == 1)(sched_sync)
 
-            init = (jnp.zeros((ROWS, D), F32), jnp.full((ROWS,), -jnp.inf, F32),
-                    jnp.zeros((ROWS,), F32))
-            acc, m, l = lax.fori_loop(0, n, step, init)
-            if hw:
-                pl.when(wg == 0)(sched_sync)
-            empty = l == 0.0
-            l_safe = jnp.where(empty, 1.0, l)
-            qw[...] = (acc / rows_of(l_safe, acc.shape)).astype(dt)
-            lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qw, o_ref.at[b, pl.ds(q0, ROWS), h])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, ROWS)])
+                def step(i, carry):
+                    acc, m, l = carry
+                    slot = lax.rem(base + i, NSTAGE)
+                    j, partial = walk.entry(i)
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    if n_ka:
+                        plgpu.barrier_wait(ka_ready.at[slot])
+                    if n_skv:
+                        plgpu.barrier_wait(skv_ready.at[slot])
+                    s = matmul_t(qw, k_smem.at[slot], shape, interpret, sched_sync if hw else None)
+                    if not per_block:
+                        plgpu.barrier_arrive(k_free.at[slot])
+                    q_pos = lambda: iota(shape, 0, q0)
+                    kv_pos = lambda: iota(shape, 1, j * BLOCK)
+
+                    def visible():
+                        qv = [rows_of(x, shape) for x in q_vals]
+                        kvv = [cols_of(col_vector(ka_smem.at[slot, r], interpret), shape)
+                               for r in range(n_ka)]
+                        d = None
+                        if dense is not None:
+                            d = dense_visible(d_ref, d_smem.at[wg], d_ready.at[wg],
+                                              _bh(dense, b, h),
+                                              pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
+                                              pl.ds(q0, ROWS), 1, shape, interpret)
+                        return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
+
+                    def values():
+                        return ([rows_of(x, shape) for x in q_words],
+                                [cols_of(col_vector(skv_smem.at[slot, r], interpret), shape)
+                                 for r in range(n_skv)])
+
+                    s, _ = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
+                                  values=values, partial=partial, visible=visible)
+                    if per_block:
+                        plgpu.barrier_arrive(k_free.at[slot])
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no -inf - -inf
+                    alpha = jnp.exp2(m - m_safe)
+                    p = jnp.exp2(s - rows_of(m_safe, shape))
+                    acc = acc * rows_of(alpha, acc.shape)
+                    l = l * alpha + p.sum(axis=1)
+                    p = p.astype(dt)
+                    if hw:
+                        acc, l, m_new, p = lax.optimization_barrier((acc, l, m_new, p))
+                        plgpu.barrier_arrive(sched)            # softmax done
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    if hw:
+                        plgpu.barrier_wait(sched)              # tensor cores ours
+                    acc = matmul_acc(acc, p, v_smem.at[slot], interpret)
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l
+
+                init = (jnp.zeros((ROWS, D), F32), jnp.full((ROWS,), -jnp.inf, F32),
+                        jnp.zeros((ROWS,), F32))
+                acc, m, l = lax.fori_loop(0, n, step, init)
+                if hw:
+                    pl.when(wg == 0)(sched_sync)
+                empty = l == 0.0
+                l_safe = jnp.where(empty, 1.0, l)
+                qw[...] = (acc / rows_of(l_safe, acc.shape)).astype(dt)   # Q's buffer holds O
+                lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qw, o_ref.at[b, pl.ds(q0, ROWS), h])
+                plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, ROWS)])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(q_free.at[buf])   # the buffer may take a later Q
+                return base + n
+
+            lax.fori_loop(0, mine.count, one, jnp.int32(0))
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == NWG)
@@ -164,45 +182,62 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
             if hw:
                 plgpu.set_max_registers(40, action="decrease")
 
-            def issue(i, _):
-                slot = lax.rem(i, NSTAGE)
-                j, _ = walk.entry(i)
-                rows = pl.ds(j * BLOCK, BLOCK)
-                pl.when(i >= NSTAGE)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h_kv], k_smem.at[slot], k_ready.at[slot])
-                if n_ka:
-                    plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, rows],
-                                            ka_smem.at[slot], ka_ready.at[slot])
-                if n_skv:
-                    plgpu.copy_gmem_to_smem(skv_ref.at[_bh(skv, b, h) + (slice(None), rows)],
-                                            skv_smem.at[slot], skv_ready.at[slot])
-                pl.when(i >= NSTAGE)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-                plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h_kv], v_smem.at[slot], v_ready.at[slot])
-            lax.fori_loop(0, n, issue, None)
+            def one(item, base):
+                b, h, t, walk, buf = at(item)
+                h_kv = h // group
+                pl.when(item >= 2)(lambda: plgpu.barrier_wait(q_free.at[buf]))
+                for w in range(NWG):
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(t * BLOCK + w * ROWS, ROWS), h],
+                                            q_smem.at[buf, w], q_ready.at[buf * NWG + w])
 
-            def drain(i, _):   # take the last arrivals so every barrier ends balanced
-                slot = lax.rem(i, NSTAGE)
+                def issue(i, _):
+                    g = base + i
+                    slot = lax.rem(g, NSTAGE)
+                    j, _ = walk.entry(i)
+                    rows = pl.ds(j * BLOCK, BLOCK)
+                    pl.when(g >= NSTAGE)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                    plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h_kv], k_smem.at[slot],
+                                            k_ready.at[slot])
+                    if n_ka:
+                        plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, rows],
+                                                ka_smem.at[slot], ka_ready.at[slot])
+                    if n_skv:
+                        plgpu.copy_gmem_to_smem(skv_ref.at[_bh(skv, b, h) + (slice(None), rows)],
+                                                skv_smem.at[slot], skv_ready.at[slot])
+                    pl.when(g >= NSTAGE)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                    plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h_kv], v_smem.at[slot],
+                                            v_ready.at[slot])
+                lax.fori_loop(0, walk.count, issue, None)
+                return base + walk.count
+
+            total = lax.fori_loop(0, mine.count, one, jnp.int32(0))
+
+            def drain(g, _):   # take the last arrivals so every barrier ends balanced
+                slot = lax.rem(g, NSTAGE)
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
-            lax.fori_loop(jnp.maximum(n - NSTAGE, 0), n, drain, None)
+            lax.fori_loop(jnp.maximum(total - NSTAGE, 0), total, drain, None)
+            lax.fori_loop(jnp.maximum(mine.count - 2, 0), mine.count,
+                          lambda k, _: plgpu.barrier_wait(q_free.at[lax.rem(k, 2)]), None)
 
-    scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NSTAGE, BLOCK, D), dt),
+    scratch = [smem_tiled((2, NWG, ROWS, D), dt), smem_tiled((NSTAGE, BLOCK, D), dt),
                smem_tiled((NSTAGE, BLOCK, D), dt), plgpu.SMEM((NWG, ROWS), F32)]
     scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, BLOCK),
                              (BLOCK // WORD, ROWS))
-    scratch += [plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE),
+    scratch += [plgpu.Barrier(num_barriers=2 * NWG), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG), plgpu.Barrier(num_barriers=NWG),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NWG),
-                plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE)]
+                plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_arrivals=NWG, num_barriers=2)]
     kw = {} if interpret is None else {"interpret": interpret}
     return plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct(q.shape, dt), jax.ShapeDtypeStruct((B, H, S), F32)),
         scratch_types=tuple(scratch),
-        grid=(B, H, n_tiles), grid_names=("b", "h", "t"),
+        grid=(programs,), grid_names=("p",),
         num_threads=NWG + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kw,

@@ -157,6 +157,34 @@ def iota(shape, dim, start):
     return start + lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def persistent_programs(items: int, interpret) -> int:
+    """How many CTAs a persistent kernel runs: one per SM (each walks several tiles,
+    so one tile's epilogue and the next one's first loads overlap), or one per tile
+    in the interpreter."""
+    if interpret is not None:
+        return items
+    sms = getattr(jax.local_devices()[0], "core_count", None) or 132
+    return max(1, min(items, int(sms)))
+
+
+class Items:
+    """The tiles of a persistent kernel's program: tile ``p + k * programs`` of the
+    ``B x H x n_tiles`` tiles for k < count, ordered by (batch, head) and within one
+    by descending tile, so the heavy (late causal) tiles start first and programs
+    running at once share their (b, h)'s K / V in L2."""
+
+    def __init__(self, items: int, programs: int, n_tiles: int, heads: int):
+        self.p = lax.axis_index("p")
+        self.programs, self.n_tiles, self.heads = programs, n_tiles, heads
+        self.count = (items - self.p + programs - 1) // programs
+
+    def tile(self, k):
+        """(b, h, t) of this program's k-th tile."""
+        idx = self.p + k * self.programs
+        bh = idx // self.n_tiles
+        return bh // self.heads, lax.rem(bh, self.heads), self.n_tiles - 1 - lax.rem(idx, self.n_tiles)
+
+
 class Lists:
     """One tile's walk: entry i < count_partial is partial block idx_p[i], the rest
     full blocks idx_f[i - count_partial]."""
