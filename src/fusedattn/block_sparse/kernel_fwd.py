@@ -24,9 +24,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
-                           col_vector, cols_of, counts, dense_visible, iota, logits, matmul_acc,
-                           matmul_t, persistent_programs, row_vector, rows_of, smem_tiled,
-                           value_scratch)
+                           col_vector, cols_of, counts, dense_visible, drain, iota, logits,
+                           matmul_acc, matmul_t, persistent_programs, row_vector, rows_of,
+                           smem_tiled, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
@@ -91,12 +91,14 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                 q0 = t * BLOCK + wg * ROWS
                 qw = q_smem.at[buf, wg]
                 if n_qa:
-                    plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, pl.ds(q0, ROWS)],
-                                            qa_smem.at[wg], a_ready.at[wg])
+                    plgpu.copy_gmem_to_smem(
+                        qa_ref.at[b if qa.shape[0] > 1 else 0, :, pl.ds(q0, ROWS)],
+                        qa_smem.at[wg], a_ready.at[wg])
                     plgpu.barrier_wait(a_ready.at[wg])
                 if n_sq:
-                    plgpu.copy_gmem_to_smem(sq_ref.at[_bh(sq, b, h) + (slice(None), pl.ds(q0, ROWS))],
-                                            sq_smem.at[wg], s_ready.at[wg])
+                    plgpu.copy_gmem_to_smem(
+                        sq_ref.at[_bh(sq, b, h) + (slice(None), pl.ds(q0, ROWS))],
+                        sq_smem.at[wg], s_ready.at[wg])
                     plgpu.barrier_wait(s_ready.at[wg])
                 plgpu.barrier_wait(q_ready.at[buf * NWG + wg])
                 shape = (ROWS, BLOCK)
@@ -210,15 +212,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                 lax.fori_loop(0, walk.count, issue, None)
                 return base + walk.count
 
-            total = lax.fori_loop(0, mine.count, one, jnp.int32(0))
-
-            def drain(g, _):   # take the last arrivals so every barrier ends balanced
-                slot = lax.rem(g, NSTAGE)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-            lax.fori_loop(jnp.maximum(total - NSTAGE, 0), total, drain, None)
-            lax.fori_loop(jnp.maximum(mine.count - 2, 0), mine.count,
-                          lambda k, _: plgpu.barrier_wait(q_free.at[lax.rem(k, 2)]), None)
+            drain(k_free, v_free, q_free, lax.fori_loop(0, mine.count, one, jnp.int32(0)),
+                  mine.count)
 
     scratch = [smem_tiled((2, NWG, ROWS, D), dt), smem_tiled((NSTAGE, BLOCK, D), dt),
                smem_tiled((NSTAGE, BLOCK, D), dt), plgpu.SMEM((NWG, ROWS), F32)]

@@ -169,9 +169,9 @@ def persistent_programs(items: int, interpret) -> int:
 
 class Items:
     """The tiles of a persistent kernel's program: tile ``p + k * programs`` of the
-    ``B x H x n_tiles`` tiles for k < count, ordered by (batch, head) and within one
-    by descending tile, so the heavy (late causal) tiles start first and programs
-    running at once share their (b, h)'s K / V in L2."""
+    ``B x H x n_tiles`` tiles for k < count, ordered by (batch, head), so programs
+    running at once share their (b, h)'s K / V in L2, and within one last tile
+    first: late causal rows are the heavy ones."""
 
     def __init__(self, items: int, programs: int, n_tiles: int, heads: int):
         self.p = lax.axis_index("p")
@@ -182,7 +182,21 @@ class Items:
         """(b, h, t) of this program's k-th tile."""
         idx = self.p + k * self.programs
         bh = idx // self.n_tiles
-        return bh // self.heads, lax.rem(bh, self.heads), self.n_tiles - 1 - lax.rem(idx, self.n_tiles)
+        return bh // self.heads, lax.rem(bh, self.heads), (self.n_tiles - 1
+                                                              - lax.rem(idx, self.n_tiles))
+
+
+def drain(free, free2, in_free, steps, count):
+    """A persistent kernel's TMA warpgroup takes the last arrivals of the stage
+    barriers (`free`, and `free2` if not None) and of the double-buffered inputs'
+    `in_free`, so every barrier ends balanced."""
+    def stage(g, _):
+        plgpu.barrier_wait(free.at[lax.rem(g, NSTAGE)])
+        if free2 is not None:
+            plgpu.barrier_wait(free2.at[lax.rem(g, NSTAGE)])
+    lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps, stage, None)
+    lax.fori_loop(jnp.maximum(count - 2, 0), count,
+                  lambda k, _: plgpu.barrier_wait(in_free.at[lax.rem(k, 2)]), None)
 
 
 class Lists:
