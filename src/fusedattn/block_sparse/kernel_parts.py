@@ -186,17 +186,15 @@ class Items:
                                                               - lax.rem(idx, self.n_tiles))
 
 
-def drain(free, free2, in_free, steps, count):
-    """A persistent kernel's TMA warpgroup takes the last arrivals of the stage
-    barriers (`free`, and `free2` if not None) and of the double-buffered inputs'
-    `in_free`, so every barrier ends balanced."""
+def drain(k_free, v_free, q_free, steps, count):
+    """The persistent forward's TMA warpgroup takes the last arrivals of the K / V
+    stage barriers and of the Q buffers' `q_free`, so every barrier ends balanced."""
     def stage(g, _):
-        plgpu.barrier_wait(free.at[lax.rem(g, NSTAGE)])
-        if free2 is not None:
-            plgpu.barrier_wait(free2.at[lax.rem(g, NSTAGE)])
+        plgpu.barrier_wait(k_free.at[lax.rem(g, NSTAGE)])
+        plgpu.barrier_wait(v_free.at[lax.rem(g, NSTAGE)])
     lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps, stage, None)
     lax.fori_loop(jnp.maximum(count - 2, 0), count,
-                  lambda k, _: plgpu.barrier_wait(in_free.at[lax.rem(k, 2)]), None)
+                  lambda k, _: plgpu.barrier_wait(q_free.at[lax.rem(k, 2)]), None)
 
 
 class Lists:
