@@ -3,8 +3,8 @@
 `dq` walks the query-major lists (per 128-query tile, its key blocks) and `dkv`
 the key-major ones (per 128-key tile, its query blocks), both half a block a step:
 the two score tiles, the accumulators and a score_mod's tiles fill the register
-budget (at whole blocks a score_mod spilled: 2-6x slower dq). One CTA per tile: run
-persistent like the forward, causal and prefix-LM ran 8% slower (docs/decisions.md).
+budget (at whole blocks a score_mod's tiles spilled registers). One CTA per tile: a
+persistent form like the forward's balanced long causal rows worse (docs/decisions.md).
 Neither needs atomics, so both are deterministic; adding dq from the dkv kernel with
 TMA reduce-adds measured slower (docs/decisions.md).
 Each step issues its two score products (S and dP) together, with one wait.

@@ -160,11 +160,9 @@ def iota(shape, dim, start):
 def persistent_programs(items: int, interpret) -> int:
     """How many CTAs a persistent kernel runs: one per SM (each walks several tiles,
     so one tile's epilogue and the next one's first loads overlap), or one per tile
-    in the interpreter."""
-    if interpret is not None:
-        return items
-    sms = getattr(jax.local_devices()[0], "core_count", None) or 132
-    return max(1, min(items, int(sms)))
+    in the interpreter or where the device does not say its SM count."""
+    sms = None if interpret is not None else getattr(jax.local_devices()[0], "core_count", None)
+    return max(1, min(items, int(sms))) if sms else items
 
 
 class Items:
