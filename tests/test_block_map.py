@@ -402,6 +402,23 @@ def test_random_dense_masks(seed):
     check(device, m)
 
 
+@pytest.mark.parametrize("block", [(128, 128), (64, 32), (32, 16), (256, 256), (16, 64)])
+def test_device_dense_map_reduces_the_kernels_bits(block):
+    """A device map of a dense mask packs it once, reduces the words (where its key
+    blocks hold whole words), and keeps them for the kernels: the same kinds as brute
+    force, on either path."""
+    from fusedattn.block_sparse.kernel_mask import kernel_mask, pack_bits
+    from fusedattn.block_sparse.kernel_parts import whole
+    rng = np.random.default_rng(sum(block))
+    shape = (2, 1, 300, 333)
+    m = random_mask(rng, shape, block)
+    bm = bs.from_dense_mask(jnp.asarray(m), block=block)
+    check(bm, m)
+    bits = bm.element.terms[0].bits
+    np.testing.assert_array_equal(bits, pack_bits(jnp.asarray(m), whole(300), whole(333)))
+    assert kernel_mask(bm.element).dense is bits
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_combinations(seed):
     """A random dense mask AND a mask_mod AND causal: exact, not a product of kinds."""

@@ -19,6 +19,7 @@ from ..sequence import SequenceDescriptor
 from . import builtin
 from .block_map import BlockMap
 from .classify import classify, on_host
+from .kernel_mask import with_bits
 from .terms import Dense, ElementMask, Intervals, MaskMod, Segments, is_host
 
 DEFAULT_BLOCK = (128, 128)
@@ -142,6 +143,7 @@ def _host_kind(element: ElementMask, block, key):
 @functools.partial(jax.jit, static_argnums=1)
 def _on_device(element: ElementMask, block: Tuple[int, int]) -> BlockMap:
     # One compiled program per mask: eager op-by-op dispatch would compile each op.
+    element = with_bits(element)
     return BlockMap.from_kind(classify(element, block, host=False), element, block)
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .block_map import EMPTY, FULL, PARTIAL
+from .kernel_mask import kinds_of_bits
 from .terms import Dense, ElementMask, Intervals, Segments
 
 # Booleans per step of the block loop (host chunks and device lax.map batches).
@@ -43,7 +44,7 @@ def classify(element: ElementMask, block: Tuple[int, int], host: bool):
     """``[B|1, H|1, n_q, n_kv]`` int32 kinds; numpy when `host`."""
     terms = element.terms
     if len(terms) == 1 and isinstance(terms[0], Dense):
-        return _dense(terms[0].mask, element, block, np if host else jnp)
+        return _dense(terms[0], element, block, np if host else jnp)
     if len(terms) == 1 and isinstance(terms[0], Segments):
         n_ids = element.s_q + element.s_kv
         if element.batch * n_ids * -(-max(element.s_q, element.s_kv) // min(block)) \
@@ -135,12 +136,17 @@ def _interval_fn(term: Intervals, element: ElementMask, block, xp):
     return fn
 
 
-def _dense(mask, element: ElementMask, block, xp):
-    """Reduce a ``[B|1, H|1, s_q, s_kv]`` mask tile by tile (overhang is not visible)."""
+def _dense(term: Dense, element: ElementMask, block, xp):
+    """Reduce a ``[B|1, H|1, s_q, s_kv]`` mask tile by tile (overhang is not visible),
+    or its packed bits where it has them (1/8 of the bytes)."""
     bq, bk = block
-    B, H, s_q, s_kv = mask.shape
+    B, H, s_q, s_kv = term.mask.shape
     n_q, n_kv = -(-s_q // bq), -(-s_kv // bk)
-    m = xp.asarray(mask).astype(bool)
+    found = None if term.bits is None else kinds_of_bits(term.bits, n_q, n_kv, block)
+    if found is not None:
+        any_, all_ = found
+        return xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY)).astype(np.int32)
+    m = xp.asarray(term.mask).astype(bool)
     m = xp.pad(m, ((0, 0), (0, 0), (0, n_q * bq - s_q), (0, n_kv * bk - s_kv)))
     m = m.reshape(B, H, n_q, bq, n_kv, bk)
     any_, all_ = m.any(axis=(3, 5)), m.all(axis=(3, 5))

@@ -22,8 +22,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
-                           col_vector, cols_of, counts, dense_visible, iota, logits, matmul_acc,
-                           matmul_acc2, matmul_t2, row_vector, rows_of, smem_tiled,
+                           col_vector, cols_of, counts, dense_visible, logits, matmul_acc,
+                           matmul_acc2, matmul_t2, row_vector, rows_of, smem_tiled, tile_fns,
                            value_scratch)
 
 HALF = BLOCK // 2
@@ -90,6 +90,9 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         in_ready, k_ready, v_ready, ka_ready, free, d_ready, skv_ready = refs
 
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
+        # CTAs launch with "t" fastest: last query tiles first, so that under causal
+        # masks the longest rows start early and the short ones fill the tail.
+        t = S // BLOCK - 1 - t
         h_kv = h // group
         walk = Lists(list_refs, b, h, t, mb, mh)
         steps = walk.count * per
@@ -103,7 +106,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             qw, dow = q_smem.at[wg], do_smem.at[wg]
             plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], qw, in_ready.at[wg * 4 + 0])
             plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], dow, in_ready.at[wg * 4 + 1])
-            plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[wg], in_ready.at[wg * 4 + 2])
+            plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[wg],
+                                    in_ready.at[wg * 4 + 2])
             if n_qa:
                 plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, rows],
                                         qa_smem.at[wg], in_ready.at[wg * 4 + 3])
@@ -131,24 +135,12 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     plgpu.barrier_wait(skv_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 s, dp = matmul_t2(qw, k_smem.at[slot], dow, v_smem.at[slot], shape, interpret)
-                q_pos = lambda: iota(shape, 0, q0)
-                kv_pos = lambda: iota(shape, 1, k0)
-
-                def visible():
-                    qv = [rows_of(x, shape) for x in q_vals]
-                    kvv = [cols_of(col_vector(ka_smem.at[slot, r], interpret), shape)
-                           for r in range(n_ka)]
-                    d = None
-                    if dense is not None:
-                        d = dense_visible(d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
-                                          pl.ds(k0 // WORD, width // WORD), rows, 1, shape,
-                                          interpret)
-                    return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
-
-                def values():
-                    return ([rows_of(x, shape) for x in q_words],
-                            [cols_of(col_vector(skv_smem.at[slot, r], interpret), shape)
-                             for r in range(n_skv)])
+                dense_tile = None if dense is None else lambda: dense_visible(
+                    d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
+                    pl.ds(k0 // WORD, width // WORD), rows, 1, shape, interpret)
+                q_pos, kv_pos, visible, values = tile_fns(
+                    kmask, shape, 0, b, h, q0, k0, slot, "q", (q_vals, ka_smem),
+                    (q_words, skv_smem), dense_tile, interpret)
 
                 s, pull = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                  values=values, partial=partial, visible=visible,
@@ -288,24 +280,12 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     plgpu.barrier_wait(sq_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
                 st, dpt = matmul_t2(kw_, q_smem.at[slot], vw, do_smem.at[slot], shape, interpret)
-                q_pos = lambda: iota(shape, 1, q0)
-                kv_pos = lambda: iota(shape, 0, k0)
-
-                def visible():
-                    qv = [cols_of(col_vector(qa_smem.at[slot, r], interpret), shape)
-                          for r in range(n_qa)]
-                    kvv = [rows_of(x, shape) for x in kv_vals]
-                    d = None
-                    if dense is not None:
-                        d = dense_visible(d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
-                                          pl.ds(k0 // WORD, ROWS // WORD), pl.ds(q0, HALF), 0,
-                                          shape, interpret)
-                    return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
-
-                def values():
-                    return ([cols_of(col_vector(sq_smem.at[slot, r], interpret), shape)
-                             for r in range(n_sq)],
-                            [rows_of(x, shape) for x in kv_words])
+                dense_tile = None if dense is None else lambda: dense_visible(
+                    d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
+                    pl.ds(k0 // WORD, ROWS // WORD), pl.ds(q0, HALF), 0, shape, interpret)
+                q_pos, kv_pos, visible, values = tile_fns(
+                    kmask, shape, 1, b, h, q0, k0, slot, "kv", (qa_smem, kv_vals),
+                    (sq_smem, kv_words), dense_tile, interpret)
 
                 st, pull = logits(st, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                   values=values, partial=partial, visible=visible,

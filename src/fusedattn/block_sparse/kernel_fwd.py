@@ -24,9 +24,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
-                           col_vector, cols_of, counts, dense_visible, drain, iota, logits,
-                           matmul_acc, matmul_t, persistent_programs, row_vector, rows_of,
-                           smem_tiled, value_scratch)
+                           counts, dense_visible, drain, logits, matmul_acc, matmul_t,
+                           persistent_programs, row_vector, rows_of, smem_tiled, tile_fns,
+                           value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
@@ -119,25 +119,13 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     s = matmul_t(qw, k_smem.at[slot], shape, interpret, sched_sync if hw else None)
                     if not per_block:
                         plgpu.barrier_arrive(k_free.at[slot])
-                    q_pos = lambda: iota(shape, 0, q0)
-                    kv_pos = lambda: iota(shape, 1, j * BLOCK)
-
-                    def visible():
-                        qv = [rows_of(x, shape) for x in q_vals]
-                        kvv = [cols_of(col_vector(ka_smem.at[slot, r], interpret), shape)
-                               for r in range(n_ka)]
-                        d = None
-                        if dense is not None:
-                            d = dense_visible(d_ref, d_smem.at[wg], d_ready.at[wg],
-                                              _bh(dense, b, h),
-                                              pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
-                                              pl.ds(q0, ROWS), 1, shape, interpret)
-                        return kmask.fn(b, h, q_pos(), kv_pos(), qv, kvv, d)
-
-                    def values():
-                        return ([rows_of(x, shape) for x in q_words],
-                                [cols_of(col_vector(skv_smem.at[slot, r], interpret), shape)
-                                 for r in range(n_skv)])
+                    dense_tile = None if dense is None else lambda: dense_visible(
+                        d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
+                        pl.ds(j * (BLOCK // WORD), BLOCK // WORD), pl.ds(q0, ROWS), 1, shape,
+                        interpret)
+                    q_pos, kv_pos, visible, values = tile_fns(
+                        kmask, shape, 0, b, h, q0, j * BLOCK, slot, "q", (q_vals, ka_smem),
+                        (q_words, skv_smem), dense_tile, interpret)
 
                     s, _ = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                   values=values, partial=partial, visible=visible)

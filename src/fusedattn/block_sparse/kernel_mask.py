@@ -42,6 +42,27 @@ def pack_bits(mask, s_q_whole: int, s_kv_whole: int):
     return jnp.swapaxes(words, -1, -2)
 
 
+def with_bits(element: ElementMask) -> ElementMask:
+    """`element` with its dense mask terms packed once: a device map reduces the
+    words (`kinds_of_bits`) and the kernels read the same words, so the ``s_q x
+    s_kv`` mask is read once per step, not once for the map and once to pack."""
+    terms = [Dense(t.mask, pack_bits(t.mask, whole(element.s_q), whole(element.s_kv)))
+             if isinstance(t, Dense) and t.bits is None else t for t in element.terms]
+    return ElementMask(terms, element.s_q, element.s_kv)
+
+
+def kinds_of_bits(words, n_q: int, n_kv: int, block):
+    """(any, all) visible per (query block, key block), ``[B|1, H|1, n_q, n_kv]``, of
+    packed words; None where the blocks do not cover whole words inside them."""
+    bq, bk = block
+    if bk % WORD or n_kv * bk > words.shape[2] * WORD or n_q * bq > words.shape[3]:
+        return None
+    w = words[:, :, :n_kv * bk // WORD, :n_q * bq]
+    w = w.reshape(w.shape[0], w.shape[1], n_kv, bk // WORD, n_q, bq)
+    any_, all_ = (w != 0).any(axis=(3, 5)), (w == -1).all(axis=(3, 5))
+    return jnp.swapaxes(any_, 2, 3), jnp.swapaxes(all_, 2, 3)
+
+
 def kernel_mask(element: ElementMask) -> KernelMask:
     q_arrays: List = []
     kv_arrays: List = []
@@ -78,7 +99,8 @@ def kernel_mask(element: ElementMask) -> KernelMask:
         elif isinstance(term, Dense):
             if dense is not None:
                 raise Unsupported("more than one dense mask term")
-            dense = pack_bits(term.mask, whole(element.s_q), whole(element.s_kv))
+            dense = term.bits if term.bits is not None else \
+                pack_bits(term.mask, whole(element.s_q), whole(element.s_kv))
             parts.append(lambda b, h, q, kv, qv, kvv, d: d)
         else:
             raise Unsupported(f"no in-kernel form for mask term {type(term).__name__}")

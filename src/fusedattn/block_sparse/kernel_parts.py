@@ -95,11 +95,11 @@ def col_vector(ref, interpret):
 
 
 def rows_of(x, shape):
-    return lax.broadcast_in_dim(x, shape, [0])
+    return broadcast_along(x, 0, shape)
 
 
 def cols_of(x, shape):
-    return lax.broadcast_in_dim(x, shape, [1])
+    return broadcast_along(x, 1, shape)
 
 
 def counts(kmask, score_values):
@@ -124,6 +124,42 @@ def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_words):
     if n_skv:
         scratch.append(plgpu.SMEM((kv_side[0], n_skv, kv_side[1]), F32))
     return scratch
+
+
+def tile_fns(kmask, shape, q_axis, b, h, q0, k0, slot, held, mask_vals, score_vals, dense,
+             interpret):
+    """(q_pos, kv_pos, visible, values) of one step's score tile, its queries along
+    `q_axis`. `mask_vals` / `score_vals` are (q side, kv side): the `held` side's
+    ("q" or "kv": the tile's own rows) as register vectors, the streamed side's as its
+    SMEM ref ``[stages, n, positions]`` (read at `slot`), or None. `dense()` gives the
+    dense mask's tile (or `dense` is None). Only what the mask or score reads is built."""
+    axes = {"q": q_axis, "kv": 1 - q_axis}
+
+    def tiles(vals, side):
+        axis = axes[side]
+        if side == held:
+            return [broadcast_along(x, axis, shape) for x in vals]
+        if vals is None:
+            return []
+        load = row_vector if axis == 0 else col_vector
+        return [broadcast_along(load(vals.at[slot, r], interpret), axis, shape)
+                for r in range(vals.shape[1])]
+
+    q_pos = lambda: iota(shape, axes["q"], q0)
+    kv_pos = lambda: iota(shape, axes["kv"], k0)
+
+    def visible():
+        return kmask.fn(b, h, q_pos(), kv_pos(), tiles(mask_vals[0], "q"),
+                        tiles(mask_vals[1], "kv"), None if dense is None else dense())
+
+    def values():
+        return tiles(score_vals[0], "q"), tiles(score_vals[1], "kv")
+    return q_pos, kv_pos, visible, values
+
+
+def broadcast_along(x, axis, shape):
+    """A vector along `axis` of a tile, broadcast to the tile."""
+    return lax.broadcast_in_dim(x, shape, [axis])
 
 
 def bh_index(x, b, h):

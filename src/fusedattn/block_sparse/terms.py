@@ -85,10 +85,11 @@ class MaskMod:
 
 @_pytree
 class Dense:
-    """A boolean mask ``[B|1, H|1, s_q, s_kv]`` (True: visible)."""
+    """A boolean mask ``[B|1, H|1, s_q, s_kv]`` (True: visible). `bits`: the same mask
+    packed as the kernels read it (`kernel_mask.pack_bits`), once a device map made them."""
 
-    def __init__(self, mask):
-        self.mask = mask
+    def __init__(self, mask, bits=None):
+        self.mask, self.bits = mask, bits
 
     @property
     def batch(self) -> int:
@@ -109,7 +110,7 @@ class Dense:
         return jnp.asarray(m)[b, h, jnp.clip(q, 0, m.shape[2] - 1), jnp.clip(kv, 0, m.shape[3] - 1)]
 
     def tree_flatten(self):
-        return (self.mask,), None
+        return (self.mask, self.bits), None
 
     @classmethod
     def tree_unflatten(cls, aux, children):
