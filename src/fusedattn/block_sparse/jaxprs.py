@@ -2,14 +2,15 @@
 kernel lowers.
 
 `hoisting` splits a mask_mod's or score_mod's flat equations; `plain` evaluates a
-function (a score_mod's derivative) inside a kernel. JAX's derivatives emit
+function (a score_mod's derivative) inside a kernel; the cuDNN score_mod lowering
+(backends/cudnn/lowering) lowers `flatten`'s equations too. JAX's derivatives emit
 ``add_any`` to sum cotangents, and calls (pjit, custom_jvp) wrap library functions;
 the Mosaic GPU lowering has no rule for ``add_any``, so `plain` inlines every call
 and adds with ``lax.add``.
 """
 from __future__ import annotations
 
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import jax
 import numpy as np
@@ -32,16 +33,18 @@ class Var:
         self.aval = aval
 
 
-def flatten(closed) -> Tuple[List[Eqn], Dict, Dict]:
+def flatten(closed, keep: Callable[[object], bool] = lambda eqn: False
+            ) -> Tuple[List[Eqn], Dict, Dict]:
     """(equations with calls inlined and every output renamed, {constant variable:
     value}, {the jaxpr's own variables: their names}) of a ClosedJaxpr. Constants
-    that are NumPy values stay NumPy (usable at trace time)."""
+    that are NumPy values stay NumPy (usable at trace time). A call for which
+    `keep(eqn)` holds stays one equation (a caller that lowers it whole)."""
     jaxpr = closed.jaxpr
     env = {v: v for v in jaxpr.invars}
     eqns: List[Eqn] = []
     consts: Dict = {}
     _constants(jaxpr, closed.consts, env, consts)
-    _flatten(jaxpr, env, consts, eqns)
+    _flatten(jaxpr, env, consts, eqns, keep)
     return eqns, consts, env
 
 
@@ -74,16 +77,16 @@ def plain(fn, *args):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
 
 
-def _flatten(jaxpr, env, consts, eqns):
+def _flatten(jaxpr, env, consts, eqns, keep):
     for eqn in jaxpr.eqns:
         ins = tuple(name_of(env, v) for v in eqn.invars)
         sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr")
                     if k in eqn.params), None)
-        if eqn.primitive.name in _INLINE and sub is not None:
+        if eqn.primitive.name in _INLINE and sub is not None and not keep(eqn):
             inner = getattr(sub, "jaxpr", sub)
             inner_env = dict(zip(inner.invars, ins))
             _constants(inner, getattr(sub, "consts", ()), inner_env, consts)
-            _flatten(inner, inner_env, consts, eqns)
+            _flatten(inner, inner_env, consts, eqns, keep)
             env.update((o, name_of(inner_env, i)) for o, i in zip(eqn.outvars, inner.outvars))
         else:
             outs = tuple(Var(v.aval) for v in eqn.outvars)

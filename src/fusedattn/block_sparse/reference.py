@@ -25,22 +25,16 @@ def _walk(lists, b, h, t):
     return cp + cf, entry
 
 
-def _vals(arrays, b, start, axis):
-    """Mask arrays' values for BLOCK positions from `start`, as rows (axis 0) or columns."""
+def _side(arrays, b, h, start, axis, tile=False):
+    """Mask arrays ``[B|1, n, s]`` or a score's values ``[B|1, H|1, n, s]`` of (b, h) at
+    BLOCK positions from `start`, as rows (axis 0) or columns: vectors, or whole tiles
+    with `tile` (a score's values)."""
     if arrays is None:
         return []
-    a = lax.dynamic_slice_in_dim(arrays[b if arrays.shape[0] > 1 else 0], start, BLOCK, axis=1)
-    return [x[:, None] if axis == 0 else x[None, :] for x in a]
-
-
-def _words(values, b, h, start, axis):
-    """Score value words for BLOCK positions from `start`, as full tiles along rows
-    (axis 0) or columns."""
-    if values is None:
-        return []
-    a = lax.dynamic_slice_in_dim(values[b if values.shape[0] > 1 else 0,
-                                        h if values.shape[1] > 1 else 0], start, BLOCK, axis=1)
-    return [jnp.broadcast_to(x[:, None] if axis == 0 else x[None, :], (BLOCK, BLOCK)) for x in a]
+    at = bh_index(arrays, b, h) if arrays.ndim == 4 else (b if arrays.shape[0] > 1 else 0)
+    a = lax.dynamic_slice_in_dim(arrays[at], start, BLOCK, axis=1)
+    vecs = [x[:, None] if axis == 0 else x[None, :] for x in a]
+    return [jnp.broadcast_to(x, (BLOCK, BLOCK)) for x in vecs] if tile else vecs
 
 
 def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial):
@@ -51,9 +45,9 @@ def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial):
     s = jnp.dot(qt, kt.T, preferred_element_type=F32) * scale
     pull = None
     if score is not None:
-        tiles = (_words(values[0], b, h, q0, 0), _words(values[1], b, h, k0, 1))
+        tiles = (_side(values[0], b, h, q0, 0, tile=True), _side(values[1], b, h, k0, 1, tile=True))
         s, pull = apply(score, s, b, h, q, kv, *tiles, with_grad=True)
-    qv, kvv = _vals(kmask.q_arrays, b, q0, 0), _vals(kmask.kv_arrays, b, k0, 1)
+    qv, kvv = _side(kmask.q_arrays, b, h, q0, 0), _side(kmask.kv_arrays, b, h, k0, 1)
     dense = None
     if kmask.dense is not None:
         m = kmask.dense[bh_index(kmask.dense, b, h)]

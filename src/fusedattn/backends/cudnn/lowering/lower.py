@@ -47,12 +47,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from ....block_sparse.jaxprs import flatten, name_of
 from ....config import AttnConfig
 from ....score_mods import Masked
 from . import derivative as flex_derivative
 from . import hoist as flex_hoist
 from . import ranges as flex_ranges
-from .program import (Program, Unsupported, expand, flatten, is_int, live, parse_lines,
+from .program import (Program, Unsupported, expand, is_int, kept_whole, live, parse_lines,
                       reads_score)
 
 __all__ = ["Lowered", "Unsupported", "lower", "masked_score_mod", "unbroadcast"]
@@ -152,11 +153,9 @@ def lower(config: AttnConfig, score_mod: Optional[Callable],
     forward_texts: Dict[str, str] = {}
 
     def lower_one(closed, first: int, masks: frozenset = frozenset()) -> Program:
-        consts = {v: np.asarray(c) for v, c in zip(closed.jaxpr.constvars, closed.consts)}
-        rename: Dict[object, object] = {}
-        eqns = flatten(closed.jaxpr, rename, consts)
-        out = closed.jaxpr.outvars[0]
-        out = out if isinstance(out, Literal) else rename.get(out, out)
+        eqns, consts, env = flatten(closed, keep=kept_whole)
+        consts = {v: np.asarray(c) for v, c in consts.items()}  # jax arrays too
+        out = name_of(env, closed.jaxpr.outvars[0])
         is_bprop = closed is bwd
         p = Program(first, consts, forward_texts if is_bprop else None, masks,
                      tuple(pf.lines) if is_bprop else ())
@@ -472,8 +471,8 @@ def _evaluate_static(p: Program, closed, batch, head, rest):
             return jnp.full(atom.aval.shape, p.const[atom], atom.aval.dtype)
         return env[atom]
     for eqn in p.static_eqns:  # (a broadcast to full size that no input reads: XLA drops it)
-        outs = eqn.primitive.bind(*[read(v) for v in eqn.invars], **eqn.params)
-        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs]))
+        outs = eqn.prim.bind(*[read(v) for v in eqn.ins], **eqn.params)
+        env.update(zip(eqn.outs, outs if eqn.prim.multiple_results else [outs]))
     return env
 
 

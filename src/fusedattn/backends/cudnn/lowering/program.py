@@ -1,11 +1,11 @@
 """One jaxpr's lowering into a program of cuDNN pointwise instructions (`Program`):
 which equations are dynamic (instructions) and which static (XLA evaluates them),
 the forms cuDNN's engines take (int32 index arithmetic, masks as selects), and the
-jaxpr plumbing it needs (inlined calls, live equations). `lowering.lower`
-puts a call's two programs together; csrc/cuda/flex.h has the grammar."""
+jaxpr plumbing it needs (which calls stay whole when `block_sparse.jaxprs.flatten`
+inlines the others, live equations). `lowering.lower` puts a call's two programs
+together; csrc/cuda/flex.h has the grammar."""
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Dict, List, Optional, Tuple
 
@@ -14,10 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
+from ....block_sparse.jaxprs import Eqn
 from .derivative import FUSED_BWD
 
-_INLINE = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-           "custom_vjp_call_jaxpr", "remat", "checkpoint")  # calls whose body is inlined
 _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh",
           "logistic": "sigmoid", "erf": "erf", "sqrt": "sqrt", "rsqrt": "rsqrt", "sin": "sin",
           "cos": "cos", "tan": "tan", "floor": "floor", "ceil": "ceil"}
@@ -48,67 +47,23 @@ def parse_lines(lines: List[str]) -> List[Tuple[str, List[str]]]:
     return [(line.split(":")[0], line.split(":")[1].split(",")) for line in lines]
 
 
-@dataclasses.dataclass
-class _Eqn:
-    """A jaxpr equation with nested calls inlined (vars renamed to the outer ones)."""
-    primitive: object
-    params: dict
-    invars: list
-    outvars: list
+def kept_whole(call) -> bool:
+    """A call `flatten` leaves whole, for `Program._dynamic` to lower as one cuDNN op:
+    a derivative cuDNN fuses, an integer floor division."""
+    name = call.params.get("name")
+    return name in FUSED_BWD or name == "floor_divide" and all(
+        jnp.issubdtype(v.aval.dtype, jnp.integer) for v in call.invars)
 
 
-class _Var:
-    """A fresh variable for a value inside an inlined call (one per call site: two
-    calls of one nested jaxpr share its Var objects)."""
-    def __init__(self, aval):
-        self.aval = aval
-
-
-def flatten(jaxpr, rename: Dict[object, object], consts: Dict[object, np.ndarray],
-             fresh: bool = False) -> List[_Eqn]:
-    """The equations of `jaxpr` with pjit / custom_jvp / ... calls inlined; inside an
-    inlined call (`fresh`) every variable is renamed to a new `_Var`."""
-    def name(v):
-        return v if isinstance(v, Literal) else rename.get(v, v)
-
-    def define(v):
-        if not fresh:
-            return v
-        rename[v] = _Var(v.aval)
-        return rename[v]
-    flat: List[_Eqn] = []
-    for eqn in jaxpr.eqns:
-        ins = [name(v) for v in eqn.invars]
-        sub = next((eqn.params[p] for p in ("jaxpr", "call_jaxpr", "fun_jaxpr")
-                    if p in eqn.params), None)
-        call = eqn.params.get("name")
-        opaque = call in FUSED_BWD or call == "floor_divide" and all(
-            jnp.issubdtype(v.aval.dtype, jnp.integer) for v in eqn.invars)
-        if eqn.primitive.name in _INLINE and sub is not None and not opaque:
-            inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
-            inner_rename = dict(zip(inner.invars, ins))
-            for var, const in zip(inner.constvars, getattr(sub, "consts", ())):
-                inner_rename[var] = _Var(var.aval)
-                consts[inner_rename[var]] = np.asarray(const)
-            flat += flatten(inner, inner_rename, consts, fresh=True)
-            for inner_out, outer_out in zip(inner.outvars, eqn.outvars):
-                target = inner_out if isinstance(inner_out, Literal) \
-                    else inner_rename.get(inner_out, inner_out)
-                rename[outer_out] = target
-            continue
-        flat.append(_Eqn(eqn.primitive, eqn.params, ins, [define(v) for v in eqn.outvars]))
-    return flat
-
-
-def live(eqns: List[_Eqn], outs) -> List[_Eqn]:
+def live(eqns: List[Eqn], outs) -> List[Eqn]:
     """The equations the outputs need, in order (a derivative's jaxpr also holds the
     forward's now unused reduction, and inlined calls their unused outputs)."""
     needed = {v for v in outs if not isinstance(v, Literal)}
     kept = []
     for eqn in reversed(eqns):
-        if any(v in needed for v in eqn.outvars):
+        if any(v in needed for v in eqn.outs):
             kept.append(eqn)
-            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+            needed.update(v for v in eqn.ins if not isinstance(v, Literal))
     return kept[::-1]
 
 
@@ -138,7 +93,7 @@ class Program:
         self.const: Dict[object, float] = {v: float(c.reshape(()))
                                            for v, c in consts.items() if c.size == 1}
         self.arrays = {v: c for v, c in consts.items() if c.size != 1}
-        self.static_eqns: List[_Eqn] = []      # what XLA evaluates, in order
+        self.static_eqns: List[Eqn] = []       # what XLA evaluates, in order
         self.origin: Dict[object, Tuple[object, Tuple[int, ...]]] = {}  # static broadcasts
 
     def emit(self, op: str, *args: str) -> str:
@@ -217,73 +172,73 @@ class Program:
             self.ints.add(name)
         return name
 
-    def lower(self, eqns: List[_Eqn], out, names: Dict[object, str]) -> str:
+    def lower(self, eqns: List[Eqn], out, names: Dict[object, str]) -> str:
         for var, name in names.items():
             self.value[var] = name
             self.is_bool[var] = False
         for eqn in eqns:
-            if any(not isinstance(v, Literal) and v in self.value for v in eqn.invars) \
+            if any(not isinstance(v, Literal) and v in self.value for v in eqn.ins) \
                     or self._broadcasts(eqn):
-                var = eqn.outvars[0]
+                var = eqn.outs[0]
                 self.is_bool[var] = var.aval.dtype == jnp.bool_
-                self.value[var] = self._dynamic(eqn, eqn.primitive.name)
-                if eqn.primitive.name in _LOGICAL or eqn.primitive.name in _COMPARE:
-                    self.bool_expr[var] = (eqn.primitive.name, tuple(eqn.invars))
-                elif eqn.primitive.name in _SHAPE_ONLY and eqn.invars[0] in self.bool_expr:
-                    self.bool_expr[var] = self.bool_expr[eqn.invars[0]]  # a broadcast of it
+                self.value[var] = self._dynamic(eqn, eqn.prim.name)
+                if eqn.prim.name in _LOGICAL or eqn.prim.name in _COMPARE:
+                    self.bool_expr[var] = (eqn.prim.name, tuple(eqn.ins))
+                elif eqn.prim.name in _SHAPE_ONLY and eqn.ins[0] in self.bool_expr:
+                    self.bool_expr[var] = self.bool_expr[eqn.ins[0]]  # a broadcast of it
             else:
                 self._static(eqn)
         return self.operand(out)
 
-    def _broadcasts(self, eqn: _Eqn) -> bool:
+    def _broadcasts(self, eqn: Eqn) -> bool:
         """An elementwise op of static values whose result is larger than its operands
         (a per-head value times a full-size constant): an instruction, so the graph
         takes the small operand, not an s_q x s_kv tensor."""
-        if eqn.primitive.name not in _ELEMENTWISE or self._fold(eqn) is not None:
+        if eqn.prim.name not in _ELEMENTWISE or self._fold(eqn) is not None:
             return False
-        sizes = [math.prod(v.aval.shape) for v in eqn.invars
+        sizes = [math.prod(v.aval.shape) for v in eqn.ins
                  if not isinstance(v, Literal) and v not in self.const]
-        return bool(sizes) and math.prod(eqn.outvars[0].aval.shape) > max(sizes)
+        return bool(sizes) and math.prod(eqn.outs[0].aval.shape) > max(sizes)
 
-    def _static(self, eqn: _Eqn):
+    def _static(self, eqn: Eqn):
         """XLA evaluates it, except what folds to a scalar constant; a broadcast of a
         static value keeps its small source (no s_q x s_kv input)."""
         folded = self._fold(eqn)
         if folded is not None:
-            self.const[eqn.outvars[0]] = folded
+            self.const[eqn.outs[0]] = folded
             return
-        if eqn.primitive.name == "broadcast_in_dim":
-            self.origin[eqn.outvars[0]] = (eqn.invars[0], tuple(eqn.params["broadcast_dimensions"]))
+        if eqn.prim.name == "broadcast_in_dim":
+            self.origin[eqn.outs[0]] = (eqn.ins[0], tuple(eqn.params["broadcast_dimensions"]))
         self.static_eqns.append(eqn)
 
-    def _fold(self, eqn: _Eqn) -> Optional[float]:
+    def _fold(self, eqn: Eqn) -> Optional[float]:
         """The scalar value of an elementwise equation of constants (None: not one)."""
-        if len(eqn.outvars) != 1 or not eqn.invars or eqn.primitive.multiple_results:
+        if len(eqn.outs) != 1 or not eqn.ins or eqn.prim.multiple_results:
             return None
         values = []
-        for v in eqn.invars:
+        for v in eqn.ins:
             if isinstance(v, Literal):
                 values.append(v.val)
             elif v in self.const:
                 values.append(self.const[v])
             else:
                 return None
-        if eqn.primitive.name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
+        if eqn.prim.name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
             return float(np.asarray(values[0]).reshape(()))
         try:
-            dtypes = [v.aval.dtype for v in eqn.invars]
+            dtypes = [v.aval.dtype for v in eqn.ins]
             # Eagerly, also while a caller's jit traces: else the value is a tracer, and
             # the constant becomes a static input (another program text, another graph).
             with jax.ensure_compile_time_eval():
-                out = eqn.primitive.bind(*[jnp.asarray(x, d) for x, d in zip(values, dtypes)],
-                                         **eqn.params)
+                out = eqn.prim.bind(*[jnp.asarray(x, d) for x, d in zip(values, dtypes)],
+                                    **eqn.params)
             return float(np.asarray(out).reshape(()))
         except Exception:  # not elementwise on scalars: XLA evaluates it
             return None
 
     def _dynamic(self, eqn, name: str) -> str:
-        ins = eqn.invars
-        out = eqn.outvars[0]
+        ins = eqn.ins
+        out = eqn.outs[0]
         a = lambda i: self.operand(ins[i])  # noqa: E731
         integer = jnp.issubdtype(out.aval.dtype, jnp.integer)
         if name in _SHAPE_ONLY:
