@@ -22,9 +22,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
-                           col_vector, cols_of, counts, dense_visible, logits, matmul_acc,
-                           matmul_acc2, matmul_t2, row_vector, rows_of, smem_tiled, tile_fns,
-                           value_scratch)
+                           col_vector, cols_of, counts, dense_tile, load_words, logits,
+                           matmul_acc, matmul_acc2, matmul_t2, row_vector, rows_of,
+                           smem_tiled, tile_fns, value_scratch)
 
 HALF = BLOCK // 2
 
@@ -135,12 +135,11 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     plgpu.barrier_wait(skv_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
                 s, dp = matmul_t2(qw, k_smem.at[slot], dow, v_smem.at[slot], shape, interpret)
-                dense_tile = None if dense is None else lambda: dense_visible(
-                    d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
-                    pl.ds(k0 // WORD, width // WORD), rows, 1, shape, interpret)
+                words = None if dense is None else lambda: dense_tile(
+                    d_smem.at[slot, wg], d_ready.at[slot * NWG + wg], 1, shape, interpret)
                 q_pos, kv_pos, visible, values = tile_fns(
                     kmask, shape, 0, b, h, q0, k0, slot, "q", (q_vals, ka_smem),
-                    (q_words, skv_smem), dense_tile, interpret)
+                    (q_words, skv_smem), words, interpret)
 
                 s, pull = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                  values=values, partial=partial, visible=visible,
@@ -173,10 +172,18 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
             def issue(s_i, _):
                 slot = lax.rem(s_i, NSTAGE)
-                j, _ = walk.entry(s_i // per)
-                keys = pl.ds(j * BLOCK + lax.rem(s_i, per) * width, width)
+                j, partial = walk.entry(s_i // per)
+                k0 = j * BLOCK + lax.rem(s_i, per) * width
+                keys = pl.ds(k0, width)
                 pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], k_smem.at[slot], k_ready.at[slot])
+                if dense is not None:
+                    @pl.when(partial)   # only partial blocks read the mask
+                    def _words():
+                        for w in range(NWG):
+                            load_words(d_ref, d_smem.at[slot, w], d_ready.at[slot * NWG + w],
+                                       _bh(dense, b, h), pl.ds(k0 // WORD, width // WORD),
+                                       pl.ds(t * BLOCK + w * ROWS, ROWS))
                 if n_ka:
                     plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, keys],
                                             ka_smem.at[slot], ka_ready.at[slot])
@@ -196,7 +203,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
-                plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE)]
+                plgpu.Barrier(num_barriers=NSTAGE * NWG), plgpu.Barrier(num_barriers=NSTAGE)]
     extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
     out = [jax.ShapeDtypeStruct(q.shape, dt)]
     if d_values:
@@ -280,12 +287,11 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     plgpu.barrier_wait(sq_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
                 st, dpt = matmul_t2(kw_, q_smem.at[slot], vw, do_smem.at[slot], shape, interpret)
-                dense_tile = None if dense is None else lambda: dense_visible(
-                    d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
-                    pl.ds(k0 // WORD, ROWS // WORD), pl.ds(q0, HALF), 0, shape, interpret)
+                words = None if dense is None else lambda: dense_tile(
+                    d_smem.at[slot, wg], d_ready.at[slot * NWG + wg], 0, shape, interpret)
                 q_pos, kv_pos, visible, values = tile_fns(
                     kmask, shape, 1, b, h, q0, k0, slot, "kv", (qa_smem, kv_vals),
-                    (sq_smem, kv_words), dense_tile, interpret)
+                    (sq_smem, kv_words), words, interpret)
 
                 st, pull = logits(st, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                   values=values, partial=partial, visible=visible,
@@ -323,10 +329,17 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
             def issue(s_i, _):
                 slot = lax.rem(s_i, NSTAGE)
-                j, _ = walk.entry(s_i // 2)
+                j, partial = walk.entry(s_i // 2)
                 rows = pl.ds(j * BLOCK + lax.rem(s_i, 2) * HALF, HALF)
                 pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
+                if dense is not None:
+                    @pl.when(partial)   # only partial blocks read the mask
+                    def _words():
+                        for w in range(NWG):
+                            load_words(d_ref, d_smem.at[slot, w], d_ready.at[slot * NWG + w],
+                                       _bh(dense, b, h),
+                                       pl.ds((t * BLOCK + w * ROWS) // WORD, ROWS // WORD), rows)
                 plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[slot],
                                         ld_ready.at[slot])
                 if n_qa:
@@ -349,7 +362,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
-                plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE)]
+                plgpu.Barrier(num_barriers=NSTAGE * NWG), plgpu.Barrier(num_barriers=NSTAGE)]
     extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
     out = jax.ShapeDtypeStruct((B, S_kv, H, D), dt)
     outs = (out, out) + ((jax.ShapeDtypeStruct((B, H, n_skv, S_kv), F32),) if d_values else ())

@@ -24,9 +24,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
-                           counts, dense_visible, drain, logits, matmul_acc, matmul_t,
-                           persistent_programs, row_vector, rows_of, smem_tiled, tile_fns,
-                           value_scratch)
+                           counts, dense_tile, drain, logits, matmul_acc, matmul_t,
+                           load_words, persistent_programs, row_vector, rows_of, smem_tiled,
+                           tile_fns, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
@@ -46,7 +46,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
     n_qa, n_ka, n_sq, n_skv = counts(kmask, score_values)
     extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
     hw = interpret is None
-    per_block = n_ka or n_skv  # arrays beside K: K's slot is freed after the mask
+    # Arrays beside K (a dense mask's words too): K's slot is freed after the mask.
+    per_block = n_ka or n_skv or dense is not None
 
     items = B * H * n_tiles
     programs = persistent_programs(items, interpret)
@@ -119,13 +120,11 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     s = matmul_t(qw, k_smem.at[slot], shape, interpret, sched_sync if hw else None)
                     if not per_block:
                         plgpu.barrier_arrive(k_free.at[slot])
-                    dense_tile = None if dense is None else lambda: dense_visible(
-                        d_ref, d_smem.at[wg], d_ready.at[wg], _bh(dense, b, h),
-                        pl.ds(j * (BLOCK // WORD), BLOCK // WORD), pl.ds(q0, ROWS), 1, shape,
-                        interpret)
+                    words = None if dense is None else lambda: dense_tile(
+                        d_smem.at[slot, wg], d_ready.at[slot * NWG + wg], 1, shape, interpret)
                     q_pos, kv_pos, visible, values = tile_fns(
                         kmask, shape, 0, b, h, q0, j * BLOCK, slot, "q", (q_vals, ka_smem),
-                        (q_words, skv_smem), dense_tile, interpret)
+                        (q_words, skv_smem), words, interpret)
 
                     s, _ = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                   values=values, partial=partial, visible=visible)
@@ -183,11 +182,19 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                 def issue(i, _):
                     g = base + i
                     slot = lax.rem(g, NSTAGE)
-                    j, _ = walk.entry(i)
+                    j, partial = walk.entry(i)
                     rows = pl.ds(j * BLOCK, BLOCK)
                     pl.when(g >= NSTAGE)(lambda: plgpu.barrier_wait(k_free.at[slot]))
                     plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h_kv], k_smem.at[slot],
                                             k_ready.at[slot])
+                    if dense is not None:
+                        @pl.when(partial)   # only partial blocks read the mask
+                        def _words():
+                            for w in range(NWG):
+                                load_words(d_ref, d_smem.at[slot, w], d_ready.at[slot * NWG + w],
+                                           _bh(dense, b, h),
+                                           pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
+                                           pl.ds(t * BLOCK + w * ROWS, ROWS))
                     if n_ka:
                         plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, rows],
                                                 ka_smem.at[slot], ka_ready.at[slot])
@@ -212,7 +219,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG), plgpu.Barrier(num_barriers=NWG),
-                plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NWG),
+                plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE * NWG),
                 plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=2)]
     kw = {} if interpret is None else {"interpret": interpret}

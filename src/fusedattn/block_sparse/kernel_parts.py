@@ -110,7 +110,8 @@ def counts(kmask, score_values):
 
 def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_words):
     """SMEM for the mask arrays, a dense mask tile's words (`dense_words`: (words,
-    queries) per warpgroup) and the score value words: the q side's and kv side's
+    queries) per stage and warpgroup, loaded by the TMA warpgroup with the stage's
+    blocks) and the score value words: the q side's and kv side's
     (count, positions) buffers per warpgroup or per stage."""
     scratch = []
     if n_qa:
@@ -118,7 +119,7 @@ def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_words):
     if n_ka:
         scratch.append(plgpu.SMEM((kv_side[0], n_ka, kv_side[1]), jnp.int32))
     if kmask.dense is not None:
-        scratch.append(plgpu.SMEM((NWG,) + dense_words, jnp.int32))
+        scratch.append(plgpu.SMEM((NSTAGE, NWG) + dense_words, jnp.int32))
     if n_sq:
         scratch.append(plgpu.SMEM((q_side[0], n_sq, q_side[1]), F32))
     if n_skv:
@@ -167,11 +168,15 @@ def bh_index(x, b, h):
     return (b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0)
 
 
-def dense_visible(d_ref, d_smem, ready, at, words, queries, key_axis, shape, interpret):
-    """A dense mask's tile, visible or not: its `words` (a slice of word rows) of the
-    `queries` copied to SMEM (`at`: the (batch, head) index) and unpacked; keys run
-    along the tile's `key_axis`."""
+def load_words(d_ref, d_smem, ready, at, words, queries):
+    """Start the TMA copy of a dense mask tile's `words` (a slice of word rows) of the
+    `queries` (`at`: the (batch, head) index) into `d_smem`; `dense_tile` waits for it."""
     plgpu.copy_gmem_to_smem(d_ref.at[at + (words, queries)], d_smem, ready)
+
+
+def dense_tile(d_smem, ready, key_axis, shape, interpret):
+    """A dense mask's tile, visible or not, once its words (`load_words`) are in
+    `d_smem`: keys run along the tile's `key_axis`."""
     plgpu.barrier_wait(ready)
     if key_axis == 1:
         vecs = [rows_of(row_vector(d_smem.at[w], interpret), shape) for w in range(d_smem.shape[0])]
