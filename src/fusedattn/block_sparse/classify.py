@@ -142,7 +142,8 @@ def _dense(term: Dense, element: ElementMask, block, xp):
     bq, bk = block
     B, H, s_q, s_kv = term.mask.shape
     n_q, n_kv = -(-s_q // bq), -(-s_kv // bk)
-    found = None if term.bits is None else kinds_of_bits(term.bits, n_q, n_kv, block)
+    found = None if term.bits is None or xp is np else \
+        kinds_of_bits(term.bits, n_q, n_kv, block)
     if found is not None:
         any_, all_ = found
         return xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY)).astype(np.int32)
