@@ -136,7 +136,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 plgpu.barrier_wait(v_ready.at[slot])
                 s, dp = matmul_t2(qw, k_smem.at[slot], dow, v_smem.at[slot], shape, interpret)
                 words = None if dense is None else lambda: dense_tile(
-                    d_smem.at[slot, wg], d_ready.at[slot * NWG + wg], 1, shape, interpret)
+                    d_smem, d_ready, slot, wg, 1, shape, interpret)
                 q_pos, kv_pos, visible, values = tile_fns(
                     kmask, shape, 0, b, h, q0, k0, slot, "q", (q_vals, ka_smem),
                     (q_words, skv_smem), words, interpret)
@@ -178,12 +178,9 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], k_smem.at[slot], k_ready.at[slot])
                 if dense is not None:
-                    @pl.when(partial)   # only partial blocks read the mask
-                    def _words():
-                        for w in range(NWG):
-                            load_words(d_ref, d_smem.at[slot, w], d_ready.at[slot * NWG + w],
-                                       _bh(dense, b, h), pl.ds(k0 // WORD, width // WORD),
-                                       pl.ds(t * BLOCK + w * ROWS, ROWS))
+                    load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
+                               lambda w: (pl.ds(k0 // WORD, width // WORD),
+                                          pl.ds(t * BLOCK + w * ROWS, ROWS)))
                 if n_ka:
                     plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, keys],
                                             ka_smem.at[slot], ka_ready.at[slot])
@@ -288,7 +285,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 plgpu.barrier_wait(do_ready.at[slot])
                 st, dpt = matmul_t2(kw_, q_smem.at[slot], vw, do_smem.at[slot], shape, interpret)
                 words = None if dense is None else lambda: dense_tile(
-                    d_smem.at[slot, wg], d_ready.at[slot * NWG + wg], 0, shape, interpret)
+                    d_smem, d_ready, slot, wg, 0, shape, interpret)
                 q_pos, kv_pos, visible, values = tile_fns(
                     kmask, shape, 1, b, h, q0, k0, slot, "kv", (qa_smem, kv_vals),
                     (sq_smem, kv_words), words, interpret)
@@ -334,12 +331,9 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
                 plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
                 if dense is not None:
-                    @pl.when(partial)   # only partial blocks read the mask
-                    def _words():
-                        for w in range(NWG):
-                            load_words(d_ref, d_smem.at[slot, w], d_ready.at[slot * NWG + w],
-                                       _bh(dense, b, h),
-                                       pl.ds((t * BLOCK + w * ROWS) // WORD, ROWS // WORD), rows)
+                    load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
+                               lambda w: (pl.ds((t * BLOCK + w * ROWS) // WORD, ROWS // WORD),
+                                          rows))
                 plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[slot],
                                         ld_ready.at[slot])
                 if n_qa:

@@ -121,7 +121,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     if not per_block:
                         plgpu.barrier_arrive(k_free.at[slot])
                     words = None if dense is None else lambda: dense_tile(
-                        d_smem.at[slot, wg], d_ready.at[slot * NWG + wg], 1, shape, interpret)
+                        d_smem, d_ready, slot, wg, 1, shape, interpret)
                     q_pos, kv_pos, visible, values = tile_fns(
                         kmask, shape, 0, b, h, q0, j * BLOCK, slot, "q", (q_vals, ka_smem),
                         (q_words, skv_smem), words, interpret)
@@ -188,13 +188,9 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h_kv], k_smem.at[slot],
                                             k_ready.at[slot])
                     if dense is not None:
-                        @pl.when(partial)   # only partial blocks read the mask
-                        def _words():
-                            for w in range(NWG):
-                                load_words(d_ref, d_smem.at[slot, w], d_ready.at[slot * NWG + w],
-                                           _bh(dense, b, h),
-                                           pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
-                                           pl.ds(t * BLOCK + w * ROWS, ROWS))
+                        load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
+                                   lambda w: (pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
+                                              pl.ds(t * BLOCK + w * ROWS, ROWS)))
                     if n_ka:
                         plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, rows],
                                                 ka_smem.at[slot], ka_ready.at[slot])

@@ -168,16 +168,23 @@ def bh_index(x, b, h):
     return (b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0)
 
 
-def load_words(d_ref, d_smem, ready, at, words, queries):
-    """Start the TMA copy of a dense mask tile's `words` (a slice of word rows) of the
-    `queries` (`at`: the (batch, head) index) into `d_smem`; `dense_tile` waits for it."""
-    plgpu.copy_gmem_to_smem(d_ref.at[at + (words, queries)], d_smem, ready)
+def load_words(d_ref, d_smem, ready, at, partial, slot, tile):
+    """In a partial block, start the TMA copies of each warpgroup's dense mask words
+    into stage `slot` (`at`: the (batch, head) index; ``tile(w) -> (word rows,
+    queries)`` warpgroup w's slices); `dense_tile` waits for them."""
+    @pl.when(partial)   # only partial blocks read the mask
+    def _copies():
+        for w in range(NWG):
+            words, queries = tile(w)
+            plgpu.copy_gmem_to_smem(d_ref.at[at + (words, queries)], d_smem.at[slot, w],
+                                    ready.at[slot * NWG + w])
 
 
-def dense_tile(d_smem, ready, key_axis, shape, interpret):
-    """A dense mask's tile, visible or not, once its words (`load_words`) are in
-    `d_smem`: keys run along the tile's `key_axis`."""
-    plgpu.barrier_wait(ready)
+def dense_tile(d_smem, ready, slot, wg, key_axis, shape, interpret):
+    """A dense mask's tile, visible or not, once warpgroup `wg`'s words of stage `slot`
+    (`load_words`) are in SMEM: keys run along the tile's `key_axis`."""
+    plgpu.barrier_wait(ready.at[slot * NWG + wg])
+    d_smem = d_smem.at[slot, wg]
     if key_axis == 1:
         vecs = [rows_of(row_vector(d_smem.at[w], interpret), shape) for w in range(d_smem.shape[0])]
     else:
