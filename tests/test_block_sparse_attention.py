@@ -54,6 +54,29 @@ def test_rows_without_keys_give_zero():
     assert np.all(got == 0) and np.all(np.isfinite(np.asarray(grads[0])))
 
 
+@pytest.mark.parametrize("s", [256, 300])
+def test_unseen_rows_can_take_the_mean_of_the_values(s):
+    """unseen_rows="mean" (jax.nn's rule, the drop-ins' ask): a row that sees no key
+    gives the mean of all values (its lse stays -inf), and that mean's gradient reaches
+    every key's dv; under GQA, with a ragged last block."""
+    keys = jax.random.split(jax.random.key(2), 4)
+    q, k, v, do = (jax.random.normal(kk, (B, s, hh, D)) for kk, hh in zip(keys, (H, H_KV, H_KV, H)))
+    bm = block_map("random_dense", B, H, s)
+    call = lambda q, k, v: block_sparse_attention_with_lse(  # noqa: E731
+        q, k, v, bm, implementation="reference", unseen_rows="mean")
+    (out, lse), vjp = jax.vjp(call, q, k, v)
+    grads = vjp((do, jnp.zeros_like(lse)))
+    ref_out, ref_lse, ref_grads = oracle(q, k, v, dense_visibility(bm, B, H, s), D ** -0.5,
+                                         None, do, unseen_rows="mean")
+    unseen = ~np.isfinite(ref_lse)
+    assert unseen.any() and np.all(np.asarray(lse)[unseen] == -np.inf)
+    assert rel_error(out, ref_out) < 1e-4
+    for g, r in zip(grads, ref_grads):
+        assert rel_error(g, r) < 1e-4
+    with pytest.raises(ValueError, match="unseen_rows must be one of"):
+        block_sparse_attention(q, k, v, bm, implementation="reference", unseen_rows="nan")
+
+
 def test_score_mod_composes_with_mask():
     rel = lambda s, b, h, i, j: s + 0.05 * (i - j).astype(s.dtype)
     out, lse, grads, (ref_out, _, ref_grads) = _run("documents_causal", rel)

@@ -219,8 +219,9 @@ def test_document_mask_through_dot_product_attention(hopper, jit):
 
 
 def test_fully_masked_row_and_causal_through_dot_product_attention(hopper):
-    """Rows that see no key average all values on both routes (block_sparse gives such
-    rows 0; the drop-in overwrites them), here with is_causal on top."""
+    """Rows that see no key average all values on both routes (block_sparse's forward
+    kernel writes the mean itself; the drop-in overwrites the bias route's rows), here
+    with is_causal on top."""
     q, k, v, do = _qkvo()
     mask = np.asarray(_doc_mask()).copy()
     mask[:, :, 5] = False                        # row 5 sees nothing
@@ -228,6 +229,7 @@ def test_fully_masked_row_and_causal_through_dot_product_attention(hopper):
     plan = fusedattn.jax_nn.explain(q, k, v, mask=mask, is_causal=True)
     _route(plan, hopper)
     assert "causal" in plan.config.short()
+    assert plan.config.unseen_rows == ("mean" if hopper else "zero")
     call = lambda q, k, v, m: fusedattn.dot_product_attention(  # noqa: E731
         q, k, v, mask=m, is_causal=True)
     got = _run(call, q, k, v, do, jnp.asarray(mask), jit=True)
@@ -266,7 +268,11 @@ def test_empty_rows_padding_and_causal_against_jax_nn(hopper):
     and gradients as jax.nn's own XLA path, on both routes (padding takes block_sparse)."""
     q, k, v, do = _qkvo()
     mask, lengths = _empty_rows_and_padding()
-    _route(fusedattn.jax_nn.explain(q, k, v, mask=mask, is_causal=True, **lengths), hopper)
+    plan = fusedattn.jax_nn.explain(q, k, v, mask=mask, is_causal=True, **lengths)
+    _route(plan, hopper)
+    assert plan.config.unseen_rows == "zero"    # padded rows give 0: overwritten outside
+    ragged = fusedattn.jax_nn.explain(q[:, :-1], k[:, :-1], v[:, :-1], mask=mask[..., :-1, :-1])
+    assert ragged.config.unseen_rows == "zero"  # past a block boundary: outside too
 
     def call(fn):
         return lambda q, k, v, m, ql, kvl: fn(q, k, v, mask=m, is_causal=True,

@@ -25,7 +25,8 @@ the reference for all of them):
   it marks False. Backends that take no such mask get it as the bias term
   ``-0.7 * finfo(dtype).max`` (`mask_as_bias`), jax.nn's own constant. A row it
   hides entirely then gives no 0 (the constant shifts all its keys alike); the
-  drop-ins, which define such rows, overwrite them on both routes.
+  drop-ins, which define such rows, overwrite them on both routes, or ask a backend
+  that writes jax.nn's rows itself (``unseen_rows="mean"``: block_sparse) to do so.
 * The saved statistic is fp32 log-sum-exp ``[b, h_q, s_q]`` (sink included).
 """
 from __future__ import annotations
@@ -89,6 +90,10 @@ class AttnConfig:
     score_mod_arg_specs: Tuple[Tuple[Tuple[int, ...], str], ...] = ()
     deterministic: bool = False
     precision: str = "default"
+    # What a (real) query row that sees no key gives: "zero" (the rule above), or
+    # "mean", jax.nn's: the mean of all values. Only the drop-ins ask for "mean", and
+    # only of a backend that writes it in its kernels (`averages_unseen_rows`).
+    unseen_rows: str = "zero"
     # FP8 only: the formats of d_out and of the gradients dq, dk, dv (q, k, v and o
     # are always E4M3), and whether the output stays FP8 (fusedattn.fp8.attention).
     fp8_do: str = "e5m2"
@@ -184,6 +189,8 @@ class AttnConfig:
             parts.append("score_mod=" + getattr(self.score_mod, "__name__", "fn"))
         if self.deterministic:
             parts.append("deterministic")
+        if self.unseen_rows != "zero":
+            parts.append(f"unseen-rows-{self.unseen_rows}")
         if self.is_fp8:
             parts.append(f"fp8(do {self.fp8_do}, grads {self.fp8_grad}"
                          + (", fp8 out)" if self.fp8_out else ")"))

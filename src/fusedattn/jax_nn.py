@@ -31,6 +31,7 @@ logged once on the ``fusedattn`` logger; `explain` gives the plan a call follows
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional, Tuple, Union
 
@@ -172,8 +173,10 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     b, t, n, _ = q.shape
     s = k.shape[1]
     # block_sparse's lse is -inf exactly on the rows that see no key, at no extra cost:
-    # those rows come from it instead of an S^2 pass over the mask.
+    # those rows come from it instead of an S^2 pass over the mask (and unpadded, its
+    # kernel already wrote jax.nn's mean there: `_planned`).
     lse_marks_unseen = plan.require() == "block_sparse"
+    filled = plan.config.unseen_rows == "mean"
     lse = None
     if need_lse or lse_marks_unseen:
         out, lse = plan.run_with_lse(inputs)
@@ -187,7 +190,7 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     else:
         empty = _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t, s)
         unseen = empty if padded is None else padded if empty is None else empty | padded
-    if empty is not None:
+    if empty is not None and not filled:
         # Kernels give such a row 0 (a mask, or no key in range) or shift it by the bias
         # constant (a no-op for softmax); jax.nn gives every key the same weight.
         mean = jnp.repeat(v.astype(jnp.float32).mean(axis=1), n // k.shape[2], axis=1)
@@ -221,7 +224,9 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
              kv_lengths=None, scale=None, dropout=0.0, rng=None, backend="auto", **_):
     """(plan, inputs, the mask as 4-d or None) of a drop-in call. The boolean mask goes
     in as a mask: dispatch runs it as a block map where a backend takes one, else as
-    jax.nn's additive bias (`inputs.mask_as_bias`)."""
+    jax.nn's additive bias (`inputs.mask_as_bias`). Where the chosen backend writes
+    jax.nn's rows that see no key itself (``averages_unseen_rows``), the plan asks it
+    to (`AttnConfig.unseen_rows`); else `masked_attention` overwrites them."""
     b, t, n, _ = q.shape
     s = k.shape[1]
     mask4 = None if mask is None else _as_4d(mask, "mask")
@@ -234,7 +239,13 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
                                 dense_mask=_broadcast(mask4, "mask", b, n, t, s),
                                 sequence=sequence, mask="causal" if is_causal else "none",
                                 window=window, scale=scale, dropout=dropout, rng=rng)
-    return dispatch.plan(config, backend), inputs, mask4
+    plan = dispatch.plan(config, backend)
+    chosen = plan.preferred and dispatch.load_backend(plan.preferred)
+    if getattr(chosen, "averages_unseen_rows", False):
+        mean = dataclasses.replace(config, unseen_rows="mean")
+        if chosen.supports(dispatch.config_for(mean, plan.preferred)) is None:
+            plan = dispatch.plan(mean, backend)
+    return plan, inputs, mask4
 
 
 def _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t, s):

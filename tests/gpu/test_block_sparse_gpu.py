@@ -26,29 +26,30 @@ def _inputs(h, h_kv, d, dtype, seed=0, s=S):
             for kk, hh in zip(keys, (h, h_kv, h_kv, h))]
 
 
-def _gradients(q, k, v, do, bm, score_mod=None):
+def _gradients(q, k, v, do, bm, score_mod=None, unseen_rows="zero"):
     return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
-        block_sparse_attention(q, k, v, bm, score_mod=score_mod).astype(jnp.float32)
-        * do.astype(jnp.float32)), argnums=(0, 1, 2)))(q, k, v)
+        block_sparse_attention(q, k, v, bm, score_mod=score_mod, unseen_rows=unseen_rows)
+        .astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))(q, k, v)
 
 
-def _check(family, h, h_kv, d, dtype, score_mod=None, s=S):
+def _check(family, h, h_kv, d, dtype, score_mod=None, s=S, unseen_rows="zero"):
     q, k, v, do = _inputs(h, h_kv, d, dtype, s=s)
     if choose_implementation(q) != "mosaic":
         pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
     bm = block_map(family, B, h, s)
     out, lse = jax.jit(lambda q, k, v: block_sparse_attention_with_lse(
-        q, k, v, bm, score_mod=score_mod))(q, k, v)
-    grads = _gradients(q, k, v, do, bm, score_mod)
+        q, k, v, bm, score_mod=score_mod, unseen_rows=unseen_rows))(q, k, v)
+    grads = _gradients(q, k, v, do, bm, score_mod, unseen_rows)
     ref_out, ref_lse, ref_grads = oracle(q, k, v, dense_visibility(bm, B, h, s), d ** -0.5,
-                                         score_mod, do)
+                                         score_mod, do, unseen_rows=unseen_rows)
     lse = np.asarray(lse)
     finite = np.isfinite(ref_lse)
     assert np.array_equal(np.isfinite(lse), finite), "rows without keys must give lse -inf"
     assert np.all(lse[~finite] == -np.inf)
     assert np.abs(lse[finite] - ref_lse[finite]).max() < 2e-2
-    assert np.all(np.asarray(out, np.float32)[np.broadcast_to(~finite.transpose(0, 2, 1)[..., None],
-                                                              out.shape)] == 0)
+    if unseen_rows == "zero":
+        unseen = np.broadcast_to(~finite.transpose(0, 2, 1)[..., None], out.shape)
+        assert np.all(np.asarray(out, np.float32)[unseen] == 0)
     assert rel_error(out, ref_out) < 2e-2
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert rel_error(g, r) < 4e-2, name
@@ -64,6 +65,13 @@ def test_families_gqa(family, d):
 def test_lengths_past_a_block_boundary(family):
     """s = 300: padded to whole blocks inside, the key padding masked in the last block."""
     _check(family, 4, 2, 128, jnp.bfloat16, s=300)
+
+
+@pytest.mark.parametrize("s", [S, 300])
+def test_unseen_rows_take_the_mean_of_the_values(s):
+    """unseen_rows="mean": the forward kernel writes the mean of v to rows that see no
+    key, and the dk / dv kernel adds that mean's gradient to every key's dv."""
+    _check("random_dense", 4, 2, 128, jnp.bfloat16, s=s, unseen_rows="mean")
 
 
 @pytest.mark.parametrize("family", ["causal", "documents", "random_dense"])

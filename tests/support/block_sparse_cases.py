@@ -66,10 +66,11 @@ def dense_visibility(bm, b, h, s):
     return np.broadcast_to(np.asarray(bm.element_mask(bb, hh, ii, jj)), (b, h, s, s))
 
 
-def oracle(q, k, v, visible, scale, score_mod=None, d_out=None, args=()):
+def oracle(q, k, v, visible, scale, score_mod=None, d_out=None, args=(), unseen_rows="zero"):
     """float64 (out [b, s, h, d], lse [b, h, s], grads or None) of masked attention;
-    rows with no visible key give 0 and lse -inf. ``score_mod(s, b, h, i, j, *args)``;
-    grads are dq, dk, dv, then one per floating arg (None for the others)."""
+    rows with no visible key give 0 (``unseen_rows="mean"``: the mean of all values)
+    and lse -inf. ``score_mod(s, b, h, i, j, *args)``; grads are dq, dk, dv, then one
+    per floating arg (None for the others)."""
     with jax.enable_x64(True):
         q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
         g = q.shape[2] // k.shape[2]
@@ -95,6 +96,9 @@ def oracle(q, k, v, visible, scale, score_mod=None, d_out=None, args=()):
             p = jnp.where(vis, jnp.exp(s - m), 0.0)
             l = p.sum(-1, keepdims=True)
             out = jnp.einsum("bhqk,bkhd->bqhd", p / jnp.where(l == 0, 1.0, l), vv)
+            if unseen_rows == "mean":
+                unseen = jnp.swapaxes(l == 0, 1, 2)                      # [b, q, h, 1]
+                out = jnp.where(unseen, vv.mean(1, keepdims=True), out)
             lse = jnp.where(l[..., 0] == 0, -jnp.inf, jnp.log(jnp.where(l == 0, 1.0, l))[..., 0] + m[..., 0])
             return out, lse
 

@@ -76,6 +76,14 @@ def config_reason(config: AttnConfig) -> Optional[str]:
          f"sequence {config.sequence!r}: takes dense or padded sequences"),
         (config.has_bias or config.has_dropout or config.softmax != "vanilla",
          "takes no bias, dropout or sink softmax"),
+        (config.unseen_rows == "mean" and config.is_padded,
+         "writes the mean of the values to rows that see no key only without padding "
+         "(padded query rows give 0)"),
+        # (past a block boundary the outputs are sliced from padded arrays, and XLA fuses
+        # the drop-in's own average into those slices: measured faster, docs/decisions.md)
+        (config.unseen_rows == "mean" and (config.s_q % BLOCK or config.s_kv % BLOCK),
+         f"writes the mean of the values to rows that see no key only at lengths that are "
+         f"whole {BLOCK}-blocks"),
     )
     why = next((why for broken, why in rules if broken), None)
     if why is None:   # (arrays closed over count as arrays read)
@@ -174,6 +182,7 @@ class BlockSparseBackend(native_op.NativeBackend):
     name = "block_sparse"
     platforms = ("cuda",)
     takes_dense_mask = True  # dispatch passes the drop-ins' mask as it is (no bias)
+    averages_unseen_rows = True  # config.unseen_rows="mean": the forward kernel writes it
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         why = config_reason(config)
@@ -216,7 +225,7 @@ class BlockSparseBackend(native_op.NativeBackend):
             bm = block_map(config) if static(config) else device_map(config, inputs)
             return attend(inputs.q, inputs.k, inputs.v, *operands, bm, scale=config.scale,
                           score_mod=parts(config)[1], score_mod_args=inputs.score_mod_args,
-                          implementation=IMPLEMENTATION)
+                          implementation=IMPLEMENTATION, unseen_rows=config.unseen_rows)
         # (under Explicit axes the map's and the list walks' gathers run with the axes
         # Auto, as the XLA backend's tiles do)
         return partitioning.in_auto_axes(run, inputs.q, out_specs, inputs, *operands)

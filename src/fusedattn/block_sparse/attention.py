@@ -24,29 +24,36 @@ from .kernel_parts import BLOCK, whole
 from .kernel_score import kernel_score
 
 IMPLEMENTATIONS = ("mosaic", "reference")
+# What a row that sees no key gives: 0 (fusedattn's rule), or the mean of all values
+# (jax.nn's: every key weighted alike), written by the forward kernel itself.
+UNSEEN_ROWS = ("zero", "mean")
 
 
 def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[float] = None,
                            score_mod: Optional[Callable] = None, score_mod_args=(),
-                           implementation: Optional[str] = None):
+                           implementation: Optional[str] = None, unseen_rows: str = "zero"):
     """Attention of q ``[b, s_q, h_q, d]`` over k, v ``[b, s_kv, h_kv, d]`` (bshd,
     h_q a multiple of h_kv) where `block_map` says which pairs are visible;
     ``score_mod(score, b, h, q_idx, kv_idx, *score_mod_args)`` rewrites the scaled
     score (elementwise JAX code; on GPU it runs inside the kernel, its reads of the
     args by position, batch or head hoisted out: `kernel_score`). Rows with no
-    visible key give 0. Differentiable in q, k, v and the float args. Lengths need
+    visible key give 0, or with ``unseen_rows="mean"`` the mean of all values (jax.nn's
+    rule). Differentiable in q, k, v and the float args. Lengths need
     not be multiples of the block: the arrays are padded to whole blocks and the
     padding masked. `implementation`: "mosaic", "reference" or None (mosaic on a
     Hopper GPU, else reference)."""
-    out, _ = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation)
+    out, _ = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation,
+                   unseen_rows)
     return out
 
 
 def block_sparse_attention_with_lse(q, k, v, block_map: BlockMap, *, scale=None,
-                                    score_mod=None, score_mod_args=(), implementation=None):
+                                    score_mod=None, score_mod_args=(), implementation=None,
+                                    unseen_rows="zero"):
     """(out, lse): lse is the fp32 natural log-sum-exp ``[b, h_q, s_q]`` (-inf on
     rows with no visible key)."""
-    out, lse2 = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation)
+    out, lse2 = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation,
+                      unseen_rows)
     return out, lse2 * math.log(2.0)
 
 
@@ -67,7 +74,7 @@ def on_hopper() -> bool:
 
 def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMap, *,
                                     scale=None, score_mod=None, score_mod_args=(),
-                                    implementation=None):
+                                    implementation=None, unseen_rows="zero"):
     """(dq, dk, dv, d_args) of `block_sparse_attention` at cotangent `d_out`, from the
     forward's `out` and natural `lse` (`block_sparse_attention_with_lse`): the backward
     kernels alone, for a caller that runs the forward and the backward as steps of its
@@ -94,20 +101,33 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
     lse2 = jnp.pad(lse.astype(jnp.float32) / math.log(2.0), ((0, 0), (0, 0), (0, whole - s_q)),
                    constant_values=-jnp.inf)
     out, d_out = (_pad_tokens(x, whole) for x in (out, d_out))
-    dq, dk, dv, d_values, _ = _bwd(fn, scale, score_fn[0], impl,
-                                   (q, k, v, values, ints, out, lse2), (d_out, None))
+    dq, dk, dv, _, d_values, _ = _bwd(fn, scale, score_fn[0], impl,
+                                      _mean_over(unseen_rows, s_kv),
+                                      (q, k, v, values, ints, out, lse2), (d_out, None))
     d_args = [None] * len(args)
     for i, g in zip(floats, pullback(d_values)[0]):
         d_args[i] = g
     return dq[:, :s_q], dk[:, :s_kv], dv[:, :s_kv], tuple(d_args)
 
 
-def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation):
+def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_rows):
     s_q, s_kv = q.shape[1], k.shape[1]
+    mean_over = _mean_over(unseen_rows, s_kv)
+    # The mean of v an unseen row gives, from v before its padding (XLA reads v once for
+    # both). A constant to the vjp: the backward adds its gradient to dv itself.
+    fill = None if mean_over is None else jax.lax.stop_gradient(
+        _per_query_head(v.astype(jnp.float32).mean(1), q.shape[2]))
     fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation)
     score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
-    out, lse2 = _attention(fn, scale, score, impl, q, k, v, values, ints)
+    out, lse2 = _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints)
     return out[:, :s_q], lse2[..., :s_q]
+
+
+def _mean_over(unseen_rows: str, s_kv: int) -> Optional[int]:
+    """How many keys an unseen row's mean takes (None: such rows give 0)."""
+    if unseen_rows not in UNSEEN_ROWS:
+        raise ValueError(f"unseen_rows must be one of {UNSEEN_ROWS}, got {unseen_rows!r}")
+    return s_kv if unseen_rows == "mean" else None
 
 
 def _score(score_mod, score_mod_args, batch, heads, s_q, s_kv):
@@ -159,25 +179,32 @@ def _padded(km: KernelMask, s_q: int, s_kv: int) -> KernelMask:
                       _pad_tokens(km.kv_arrays, whole(s_kv), axis=2), km.dense, fn)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(fn, scale, score, impl, q, k, v, values, ints):
-    return _forward(fn, scale, score, impl, q, k, v, values, ints)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints):
+    """`fill` (None, or the mean of v's `mean_over` real keys per query head) is what
+    rows that see no key give; the backward adds its gradient to dv."""
+    return _forward(fn, scale, score, impl, q, k, v, fill, values, ints)
 
 
-def _forward(fn, scale, score, impl, q, k, v, values, ints):
+def _forward(fn, scale, score, impl, q, k, v, fill, values, ints):
     fwd_lists, _, qa, ka, dense = ints
     km = KernelMask(qa, ka, dense, fn)
     kernels = kernel_fwd if impl == "mosaic" else reference
     return kernels.forward(q, k, v, fwd_lists, km, scale=scale, score=score,
-                           score_values=values)
+                           score_values=values, fill=fill)
 
 
-def _fwd(fn, scale, score, impl, q, k, v, values, ints):
-    out, lse2 = _forward(fn, scale, score, impl, q, k, v, values, ints)
+def _fwd(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints):
+    out, lse2 = _forward(fn, scale, score, impl, q, k, v, fill, values, ints)
     return (out, lse2), (q, k, v, values, ints, out, lse2)
 
 
-def _bwd(fn, scale, score, impl, res, cts):
+def _per_query_head(x, h_q):
+    """[B, H_kv, D] -> [B, H_q, D], each kv head's row repeated over its group."""
+    return jnp.repeat(x, h_q // x.shape[1], axis=1)
+
+
+def _bwd(fn, scale, score, impl, mean_over, res, cts):
     q, k, v, values, ints, out, lse2 = res
     do = cts[0].astype(q.dtype)
     fwd_lists, bwd_lists, qa, ka, dense = ints
@@ -189,16 +216,22 @@ def _bwd(fn, scale, score, impl, res, cts):
     # +inf on rows with no visible key: their probabilities exp2(s - lse) are 0
     lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
     kw = dict(scale=scale, score=score, score_values=values)
-    if impl == "mosaic":
-        dq, d_q_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
-        dk, dv, d_kv_values = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km, **kw)
-    else:
-        dq, d_q_values = reference.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
-        dk, dv, d_kv_values = reference.dkv(q, k, v, do, lse_delta, bwd_lists, km, **kw)
+    dv_add = None
+    if mean_over is not None:
+        # An unseen row's output is the mean of v: its cotangent reaches every key's dv
+        # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
+        # (a masked sum over the sequence, one read of dO: as an einsum XLA made it a
+        # matmul with dO transposed first)
+        unseen = jnp.swapaxes(lse2 == -jnp.inf, 1, 2)[..., None]       # [B, S, H, 1]
+        dv_add = jnp.where(unseen, do.astype(jnp.float32), 0.0).sum(1) / mean_over
+    kernels = kernel_bwd if impl == "mosaic" else reference
+    dq, d_q_values = kernels.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
+    dk, dv, d_kv_values = kernels.dkv(q, k, v, do, lse_delta, bwd_lists, km, dv_add=dv_add,
+                                      **kw)
     dk, dv = (_group_sum(x, k.shape[2]).astype(k.dtype) for x in (dk, dv))
     d_values = tuple(_summed_to(g, x) for g, x in zip((d_q_values, d_kv_values), values))
     zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), ints)
-    return dq, dk, dv, d_values, zeros
+    return dq, dk, dv, None, d_values, zeros
 
 
 _attention.defvjp(_fwd, _bwd)

@@ -22,7 +22,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
-                           col_vector, cols_of, counts, dense_tile, load_words, logits,
+                           col_vector, cols_of, copy_side, counts, dense_tile, load_words, logits,
                            matmul_acc, matmul_acc2, matmul_t2, row_vector, rows_of,
                            smem_tiled, tile_fns, value_scratch)
 
@@ -108,13 +108,11 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], dow, in_ready.at[wg * 4 + 1])
             plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[wg],
                                     in_ready.at[wg * 4 + 2])
+            copy_side(b, h, rows, n_qa and (qa_ref, qa_smem.at[wg], in_ready.at[wg * 4 + 3]),
+                      n_sq and (sq_ref, sq_smem.at[wg], in_ready.at[NWG * 4 + wg]))
             if n_qa:
-                plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, rows],
-                                        qa_smem.at[wg], in_ready.at[wg * 4 + 3])
                 plgpu.barrier_wait(in_ready.at[wg * 4 + 3])
             if n_sq:
-                plgpu.copy_gmem_to_smem(sq_ref.at[_bh(sq, b, h) + (slice(None), rows)],
-                                        sq_smem.at[wg], in_ready.at[NWG * 4 + wg])
                 plgpu.barrier_wait(in_ready.at[NWG * 4 + wg])
             for x in range(3):
                 plgpu.barrier_wait(in_ready.at[wg * 4 + x])
@@ -181,12 +179,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
                                lambda w: (pl.ds(k0 // WORD, width // WORD),
                                           pl.ds(t * BLOCK + w * ROWS, ROWS)))
-                if n_ka:
-                    plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, keys],
-                                            ka_smem.at[slot], ka_ready.at[slot])
-                if n_skv:
-                    plgpu.copy_gmem_to_smem(skv_ref.at[_bh(skv, b, h) + (slice(None), keys)],
-                                            skv_smem.at[slot], skv_ready.at[slot])
+                copy_side(b, h, keys, n_ka and (ka_ref, ka_smem.at[slot], ka_ready.at[slot]),
+                          n_skv and (skv_ref, skv_smem.at[slot], skv_ready.at[slot]))
                 plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], v_smem.at[slot], v_ready.at[slot])
             lax.fori_loop(0, steps, issue, None)
             lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
@@ -212,11 +206,12 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
 
 def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
-        score_values=(None, None), interpret=None):
+        score_values=(None, None), dv_add=None, interpret=None):
     """(dk, dv) [B, S_kv, H, D] per query head, in k's dtype, and with a score's float
     kv values their gradient [B, H, m, S_kv] f32 (else None); `lists` are the
     key-major ones of the map (q_num_blocks, q_indices, full_q_*). A dense mask term
-    has the forward's words (`kernel_parts.WORD`)."""
+    has the forward's words (`kernel_parts.WORD`). `dv_add` f32 [B, H, D], if given,
+    is added to every key's dv (the gradient of a forward `fill`)."""
     B, S, H, D = q.shape
     S_kv = k.shape[1]
     group = H // k.shape[2]
@@ -234,6 +229,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, arrays, refs = \
             _unpack(refs, n_qa, n_ka, dense is not None, n_sq, n_skv)
         qa_ref, ka_ref, d_ref, sq_ref, skv_ref = arrays
+        add_ref = refs.pop(0) if dv_add is not None else None
         dk_ref, dv_ref, *refs = refs
         dskv_ref = refs.pop(0) if d_values else None
         k_smem, v_smem, q_smem, do_smem, ld_smem, *refs = refs
@@ -242,6 +238,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         d_smem = refs.pop(0) if dense is not None else None
         sq_smem = refs.pop(0) if n_sq else None
         skv_smem = refs.pop(0) if n_skv else None
+        add_smem = refs.pop(0) if dv_add is not None else None
         in_ready, q_ready, do_ready, ld_ready, qa_ready, free, d_ready, sq_ready = refs
 
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
@@ -258,14 +255,15 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             kw_, vw = k_smem.at[wg], v_smem.at[wg]
             plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], kw_, in_ready.at[wg * 4 + 0])
             plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], vw, in_ready.at[wg * 4 + 1])
+            copy_side(b, h, keys, n_ka and (ka_ref, ka_smem.at[wg], in_ready.at[wg * 4 + 2]),
+                      n_skv and (skv_ref, skv_smem.at[wg], in_ready.at[wg * 4 + 3]))
             if n_ka:
-                plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, keys],
-                                        ka_smem.at[wg], in_ready.at[wg * 4 + 2])
                 plgpu.barrier_wait(in_ready.at[wg * 4 + 2])
             if n_skv:
-                plgpu.copy_gmem_to_smem(skv_ref.at[_bh(skv, b, h) + (slice(None), keys)],
-                                        skv_smem.at[wg], in_ready.at[wg * 4 + 3])
                 plgpu.barrier_wait(in_ready.at[wg * 4 + 3])
+            if dv_add is not None:   # waited for after the walk
+                plgpu.copy_gmem_to_smem(add_ref.at[b, h], add_smem.at[wg],
+                                        in_ready.at[NWG * 4 + wg])
             plgpu.barrier_wait(in_ready.at[wg * 4 + 0])
             plgpu.barrier_wait(in_ready.at[wg * 4 + 1])
             kv_vals = [row_vector(ka_smem.at[wg, r], interpret) for r in range(n_ka)]
@@ -308,6 +306,9 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             zero = jnp.zeros((ROWS, D), F32)
             zero_rows = [jnp.zeros((ROWS,), F32) for _ in kv_floats if d_values]
             dk, dv, d_skv = lax.fori_loop(0, steps, step, (zero, zero, zero_rows))
+            if dv_add is not None:
+                plgpu.barrier_wait(in_ready.at[NWG * 4 + wg])
+                dv = dv + cols_of(col_vector(add_smem.at[wg], interpret), dv.shape)
             kw_[...] = (dk * scale).astype(dt)
             vw[...] = dv.astype(dt)
             for r, x in enumerate(d_skv):   # (the values were read into registers above)
@@ -336,12 +337,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                                           rows))
                 plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[slot],
                                         ld_ready.at[slot])
-                if n_qa:
-                    plgpu.copy_gmem_to_smem(qa_ref.at[b if qa.shape[0] > 1 else 0, :, rows],
-                                            qa_smem.at[slot], qa_ready.at[slot])
-                if n_sq:
-                    plgpu.copy_gmem_to_smem(sq_ref.at[_bh(sq, b, h) + (slice(None), rows)],
-                                            sq_smem.at[slot], sq_ready.at[slot])
+                copy_side(b, h, rows, n_qa and (qa_ref, qa_smem.at[slot], qa_ready.at[slot]),
+                          n_sq and (sq_ref, sq_smem.at[slot], sq_ready.at[slot]))
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
             lax.fori_loop(0, steps, issue, None)
             lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
@@ -352,12 +349,14 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                plgpu.SMEM((NSTAGE, 2, HALF), F32)]
     scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NSTAGE, HALF), (NWG, ROWS),
                               (ROWS // WORD, HALF))
-    scratch += [plgpu.Barrier(num_barriers=NWG * 4), plgpu.Barrier(num_barriers=NSTAGE),
+    if dv_add is not None:
+        scratch.append(plgpu.SMEM((NWG, D), F32))
+    scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE * NWG), plgpu.Barrier(num_barriers=NSTAGE)]
-    extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
+    extra = [x for x in (qa, ka, dense, sq, skv, dv_add) if x is not None]
     out = jax.ShapeDtypeStruct((B, S_kv, H, D), dt)
     outs = (out, out) + ((jax.ShapeDtypeStruct((B, H, n_skv, S_kv), F32),) if d_values else ())
     got = _run(body, outs, scratch, (B, H, S_kv // BLOCK),

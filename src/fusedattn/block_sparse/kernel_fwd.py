@@ -11,7 +11,7 @@ compute warpgroups take turns on the tensor cores (a schedule barrier), so one's
 softmax overlaps the other's matmuls.
 
 Returns out and the base-2 log-sum-exp (-inf on rows with no visible key, whose
-output is 0).
+output is 0, or `fill`: jax.nn's rule is the mean of all values).
 """
 from __future__ import annotations
 
@@ -24,16 +24,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
-                           counts, dense_tile, drain, logits, matmul_acc, matmul_t,
-                           load_words, persistent_programs, row_vector, rows_of, smem_tiled,
-                           tile_fns, value_scratch)
+                           col_vector, cols_of, copy_side, counts, dense_tile, drain, logits,
+                           matmul_acc, matmul_t, load_words, persistent_programs, row_vector,
+                           rows_of, smem_tiled, tile_fns, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
-            score_values=(None, None), interpret=None):
+            score_values=(None, None), fill=None, interpret=None):
     """q [B, S, H, D], k/v [B, S_kv, H_kv, D]; `lists` = (kv_num_blocks, kv_indices,
     full_kv_num_blocks, full_kv_indices) of a 128x128 map; `score` a
-    `kernel_score.ScoreFn` or None, `score_values` its (q, kv) value words or None.
+    `kernel_score.ScoreFn` or None, `score_values` its (q, kv) value words or None;
+    `fill` f32 [B, H, D]: the output of rows with no visible key (None: 0).
     -> (out, lse2 [B, H, S])."""
     B, S, H, D = q.shape
     H_kv = k.shape[2]
@@ -44,7 +45,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
     sq, skv = score_values
     n_qa, n_ka, n_sq, n_skv = counts(kmask, score_values)
-    extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
+    extra = [x for x in (qa, ka, dense, sq, skv, fill) if x is not None]
     hw = interpret is None
     # Arrays beside K (a dense mask's words too): K's slot is freed after the mask.
     per_block = n_ka or n_skv or dense is not None
@@ -60,12 +61,14 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
         d_ref = refs.pop(0) if dense is not None else None
         sq_ref = refs.pop(0) if n_sq else None
         skv_ref = refs.pop(0) if n_skv else None
+        f_ref = refs.pop(0) if fill is not None else None
         o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
         qa_smem = refs.pop(0) if n_qa else None
         ka_smem = refs.pop(0) if n_ka else None
         d_smem = refs.pop(0) if dense is not None else None
         sq_smem = refs.pop(0) if n_sq else None
         skv_smem = refs.pop(0) if n_skv else None
+        f_smem, f_ready = (refs.pop(0), refs.pop(0)) if fill is not None else (None, None)
         (q_ready, k_ready, v_ready, k_free, v_free, sched, a_ready, ka_ready, d_ready,
          s_ready, skv_ready, q_free) = refs
 
@@ -91,15 +94,13 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                 n = walk.count
                 q0 = t * BLOCK + wg * ROWS
                 qw = q_smem.at[buf, wg]
+                if fill is not None:   # waited for in the epilogue
+                    plgpu.copy_gmem_to_smem(f_ref.at[b, h], f_smem.at[wg], f_ready.at[wg])
+                copy_side(b, h, pl.ds(q0, ROWS), n_qa and (qa_ref, qa_smem.at[wg], a_ready.at[wg]),
+                          n_sq and (sq_ref, sq_smem.at[wg], s_ready.at[wg]))
                 if n_qa:
-                    plgpu.copy_gmem_to_smem(
-                        qa_ref.at[b if qa.shape[0] > 1 else 0, :, pl.ds(q0, ROWS)],
-                        qa_smem.at[wg], a_ready.at[wg])
                     plgpu.barrier_wait(a_ready.at[wg])
                 if n_sq:
-                    plgpu.copy_gmem_to_smem(
-                        sq_ref.at[_bh(sq, b, h) + (slice(None), pl.ds(q0, ROWS))],
-                        sq_smem.at[wg], s_ready.at[wg])
                     plgpu.barrier_wait(s_ready.at[wg])
                 plgpu.barrier_wait(q_ready.at[buf * NWG + wg])
                 shape = (ROWS, BLOCK)
@@ -154,7 +155,12 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     pl.when(wg == 0)(sched_sync)
                 empty = l == 0.0
                 l_safe = jnp.where(empty, 1.0, l)
-                qw[...] = (acc / rows_of(l_safe, acc.shape)).astype(dt)   # Q's buffer holds O
+                out = acc / rows_of(l_safe, acc.shape)
+                if fill is not None:
+                    plgpu.barrier_wait(f_ready.at[wg])
+                    out = jnp.where(rows_of(l, acc.shape) == 0.0,
+                                    cols_of(col_vector(f_smem.at[wg], interpret), acc.shape), out)
+                qw[...] = out.astype(dt)   # Q's buffer holds O
                 lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(qw, o_ref.at[b, pl.ds(q0, ROWS), h])
@@ -191,12 +197,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                         load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
                                    lambda w: (pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
                                               pl.ds(t * BLOCK + w * ROWS, ROWS)))
-                    if n_ka:
-                        plgpu.copy_gmem_to_smem(ka_ref.at[b if ka.shape[0] > 1 else 0, :, rows],
-                                                ka_smem.at[slot], ka_ready.at[slot])
-                    if n_skv:
-                        plgpu.copy_gmem_to_smem(skv_ref.at[_bh(skv, b, h) + (slice(None), rows)],
-                                                skv_smem.at[slot], skv_ready.at[slot])
+                    copy_side(b, h, rows, n_ka and (ka_ref, ka_smem.at[slot], ka_ready.at[slot]),
+                              n_skv and (skv_ref, skv_smem.at[slot], skv_ready.at[slot]))
                     pl.when(g >= NSTAGE)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                     plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h_kv], v_smem.at[slot],
                                             v_ready.at[slot])
@@ -210,6 +212,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                smem_tiled((NSTAGE, BLOCK, D), dt), plgpu.SMEM((NWG, ROWS), F32)]
     scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, BLOCK),
                              (BLOCK // WORD, ROWS))
+    if fill is not None:
+        scratch += [plgpu.SMEM((NWG, D), F32), plgpu.Barrier(num_barriers=NWG)]
     scratch += [plgpu.Barrier(num_barriers=2 * NWG), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),

@@ -168,6 +168,17 @@ def bh_index(x, b, h):
     return (b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0)
 
 
+def copy_side(b, h, positions, *copies):
+    """Start the TMA copies of one side's mask arrays ``[B|1, n, s]`` and score value
+    words ``[B|1, H|1, n, s]`` at `positions` of (b, h): each copy is (GMEM ref, SMEM
+    destination, barrier), or falsy where the call has no such arrays."""
+    for copy in copies:
+        if copy:
+            src, dst, ready = copy
+            at = bh_index(src, b, h) if len(src.shape) == 4 else (b if src.shape[0] > 1 else 0,)
+            plgpu.copy_gmem_to_smem(src.at[at + (slice(None), positions)], dst, ready)
+
+
 def load_words(d_ref, d_smem, ready, at, partial, slot, tile):
     """In a partial block, start the TMA copies of each warpgroup's dense mask words
     into stage `slot` (`at`: the (batch, head) index; ``tile(w) -> (word rows,

@@ -63,7 +63,7 @@ def _grid(fn, B, H, T):
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale, score=None,
-            score_values=(None, None)):
+            score_values=(None, None), fill=None):
     B, S, H, D = q.shape
     group = H // k.shape[2]
 
@@ -91,7 +91,10 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale, score=None,
                                                jnp.zeros((BLOCK,), F32)))
         empty = l == 0
         l_safe = jnp.where(empty, 1.0, l)
-        return (acc / l_safe[:, None]).astype(q.dtype), jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
+        out = acc / l_safe[:, None]
+        if fill is not None:
+            out = jnp.where(empty[:, None], fill[b, h][None], out)
+        return out.astype(q.dtype), jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
 
     out, lse = _grid(tile, B, H, S // BLOCK)          # [B, H, T, BLOCK, D], [B, H, T, BLOCK]
     return out.reshape(B, H, S, D).transpose(0, 2, 1, 3), lse.reshape(B, H, S)
@@ -153,7 +156,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
 
 def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
-        score_values=(None, None)):
+        score_values=(None, None), dv_add=None):
     """(dk, dv, the float kv values' gradient [B, H, m, S_kv] or None) per query head,
     like the kernel; `kmask` is the forward's (not transposed)."""
     B, S, H, D = q.shape
@@ -183,6 +186,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
         zero = jnp.zeros((BLOCK, D), F32)
         dk, dv, dw = lax.fori_loop(0, n, step, (zero, zero, jnp.zeros((len(floats), BLOCK), F32)))
+        if dv_add is not None:
+            dv = dv + dv_add[b, h][None]
         return (dk * scale).astype(q.dtype), dv.astype(q.dtype), dw
 
     dk, dv, dw = _grid(tile, B, H, S_kv // BLOCK)

@@ -218,6 +218,8 @@ def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[s
     if config.is_fp8 and not getattr(backend, "fp8", False):
         return getattr(backend, "fp8_reason", "has no FP8 kernels") + (
             " (precision='fp8' runs on cudnn, or emulated by xla)")
+    if config.unseen_rows == "mean" and not getattr(backend, "averages_unseen_rows", False):
+        return "gives rows that see no key 0; jax.nn's mean of the values is block_sparse's"
     if cp is not None and takes_dense_mask(name) and config.has_dense_mask:
         return "context parallel: a dense mask is not split along the sequence"
     config = config_for(config, name)
