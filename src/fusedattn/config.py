@@ -92,8 +92,9 @@ class AttnConfig:
     precision: str = "default"
     # What a (real) query row that sees no key gives: "zero" (the rule above), or
     # "mean", jax.nn's: the mean of all values. Only the drop-ins ask for "mean", and
-    # only of a backend that writes it in its kernels (`averages_unseen_rows`).
-    unseen_rows: str = "zero"
+    # only of a backend that writes it in its kernels (`averages_unseen_rows`). Left out
+    # of repr as dense_mask_shape is: measured backends never take "mean".
+    unseen_rows: str = dataclasses.field(default="zero", repr=False)
     # FP8 only: the formats of d_out and of the gradients dq, dk, dv (q, k, v and o
     # are always E4M3), and whether the output stays FP8 (fusedattn.fp8.attention).
     fp8_do: str = "e5m2"

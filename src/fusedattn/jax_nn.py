@@ -173,8 +173,8 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     b, t, n, _ = q.shape
     s = k.shape[1]
     # block_sparse's lse is -inf exactly on the rows that see no key, at no extra cost:
-    # those rows come from it instead of an S^2 pass over the mask (and unpadded, its
-    # kernel already wrote jax.nn's mean there: `_planned`).
+    # those rows come from it instead of an S^2 pass over the mask. Where the plan asked
+    # for jax.nn's rule (`_planned`), its kernel has written the mean there already.
     lse_marks_unseen = plan.require() == "block_sparse"
     filled = plan.config.unseen_rows == "mean"
     lse = None

@@ -113,8 +113,9 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
 def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_rows):
     s_q, s_kv = q.shape[1], k.shape[1]
     mean_over = _mean_over(unseen_rows, s_kv)
-    # The mean of v an unseen row gives, from v before its padding (XLA reads v once for
-    # both). A constant to the vjp: the backward adds its gradient to dv itself.
+    # The mean of v an unseen row gives, from v before its padding (a sum of the padded v
+    # fused with its pad ran slower). A constant to the vjp: the backward adds its
+    # gradient to dv itself.
     fill = None if mean_over is None else jax.lax.stop_gradient(
         _per_query_head(v.astype(jnp.float32).mean(1), q.shape[2]))
     fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation)
@@ -220,8 +221,8 @@ def _bwd(fn, scale, score, impl, mean_over, res, cts):
     if mean_over is not None:
         # An unseen row's output is the mean of v: its cotangent reaches every key's dv
         # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
-        # (a masked sum over the sequence, one read of dO: as an einsum XLA made it a
-        # matmul with dO transposed first)
+        # A masked sum over the sequence reads dO once (as an einsum, XLA transposed dO
+        # for a matmul first).
         unseen = jnp.swapaxes(lse2 == -jnp.inf, 1, 2)[..., None]       # [B, S, H, 1]
         dv_add = jnp.where(unseen, do.astype(jnp.float32), 0.0).sum(1) / mean_over
     kernels = kernel_bwd if impl == "mosaic" else reference
