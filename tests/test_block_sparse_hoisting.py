@@ -101,6 +101,10 @@ HAND = {
     "row_only": (lambda b, h, q, kv, doc: doc[b, q] > 0, (DOC,), (1, 0)),
     "where": (lambda b, h, q, kv, doc: jnp.where(doc[b, q] > 0, kv <= q, doc[b, kv] == 2),
               (DOC,), None),
+    # calls the walker inlines: jit, and jax.checkpoint (a remat2 equation)
+    "under_jit": (jax.jit(lambda b, h, q, kv, doc: doc[b, q] == doc[b, kv]), (DOC,), (1, 1)),
+    "under_checkpoint": (jax.checkpoint(lambda b, h, q, kv, doc: doc[b, q] == doc[b, kv]),
+                         (DOC,), (1, 1)),
 }
 
 

@@ -159,6 +159,15 @@ def test_a_lowering_inside_a_callers_jit_is_the_same_program(name):
         want.forward, want.bprop, want.input_shapes)
 
 
+def test_a_score_mod_under_checkpoint_is_refused_by_name():
+    """jax.checkpoint (a remat2 call) is not lowered to cuDNN: its derivative is not the
+    form cuDNN fuses. The block-sparse kernels inline it (test_block_sparse_hoisting)."""
+    config, _ = _config("softcap_scaled")
+    wrapped = dataclasses.replace(config, score_mod=jax.checkpoint(config.score_mod))
+    with pytest.raises(Exception, match="remat2"):
+        flex_lowering.lower(wrapped, wrapped.score_mod)
+
+
 def test_softcap_derivative_is_cudnns_tanh_bwd_with_the_gradient_first():
     low = flex_lowering.lower(_config_with(fc.MODS["softcap_scaled"][0]),
                               fc.MODS["softcap_scaled"][0])

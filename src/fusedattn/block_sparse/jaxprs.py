@@ -17,7 +17,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 _INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
-                     "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint"})
+                     "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint"})
 
 
 class Eqn(NamedTuple):

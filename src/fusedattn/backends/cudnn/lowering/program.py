@@ -49,7 +49,11 @@ def parse_lines(lines: List[str]) -> List[Tuple[str, List[str]]]:
 
 def kept_whole(call) -> bool:
     """A call `flatten` leaves whole, for `Program._dynamic` to lower as one cuDNN op:
-    a derivative cuDNN fuses, an integer floor division."""
+    a derivative cuDNN fuses, an integer floor division. A jax.checkpoint (remat2) stays
+    whole too, and is refused by name: its derivatives come out as plain arithmetic
+    (tanh's as 1 - y^2, not the fused form), untested on cuDNN."""
+    if call.primitive.name == "remat2":
+        return True
     name = call.params.get("name")
     return name in FUSED_BWD or name == "floor_divide" and all(
         jnp.issubdtype(v.aval.dtype, jnp.integer) for v in call.invars)
