@@ -168,15 +168,21 @@ def bh_index(x, b, h):
     return (b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0)
 
 
+def side_index(x, b, h):
+    """The leading index at (b, h) of one side's mask arrays ``[B|1, n, s]`` (the batch)
+    or score value words ``[B|1, H|1, n, s]`` (batch and head); 0 where broadcast."""
+    return bh_index(x, b, h) if len(x.shape) == 4 else (b if x.shape[0] > 1 else 0,)
+
+
 def copy_side(b, h, positions, *copies):
-    """Start the TMA copies of one side's mask arrays ``[B|1, n, s]`` and score value
-    words ``[B|1, H|1, n, s]`` at `positions` of (b, h): each copy is (GMEM ref, SMEM
-    destination, barrier), or falsy where the call has no such arrays."""
+    """Start the TMA copies of one side's mask arrays and score value words at
+    `positions` of (b, h) (`side_index`): each copy is (GMEM ref, SMEM destination,
+    barrier), or falsy where the call has no such arrays."""
     for copy in copies:
         if copy:
             src, dst, ready = copy
-            at = bh_index(src, b, h) if len(src.shape) == 4 else (b if src.shape[0] > 1 else 0,)
-            plgpu.copy_gmem_to_smem(src.at[at + (slice(None), positions)], dst, ready)
+            plgpu.copy_gmem_to_smem(src.at[side_index(src, b, h) + (slice(None), positions)],
+                                    dst, ready)
 
 
 def load_words(d_ref, d_smem, ready, at, partial, slot, tile):

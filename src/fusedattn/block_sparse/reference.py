@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .kernel_mask import KernelMask
-from .kernel_parts import BLOCK, F32, LOG2E, WORD, bh_index, unpack_bits
+from .kernel_parts import BLOCK, F32, LOG2E, WORD, bh_index, side_index, unpack_bits
 from .kernel_score import apply
 
 
@@ -31,8 +31,7 @@ def _side(arrays, b, h, start, axis, tile=False):
     with `tile` (a score's values)."""
     if arrays is None:
         return []
-    at = bh_index(arrays, b, h) if arrays.ndim == 4 else (b if arrays.shape[0] > 1 else 0)
-    a = lax.dynamic_slice_in_dim(arrays[at], start, BLOCK, axis=1)
+    a = lax.dynamic_slice_in_dim(arrays[side_index(arrays, b, h)], start, BLOCK, axis=1)
     vecs = [x[:, None] if axis == 0 else x[None, :] for x in a]
     return [jnp.broadcast_to(x, (BLOCK, BLOCK)) for x in vecs] if tile else vecs
 
