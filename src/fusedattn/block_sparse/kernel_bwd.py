@@ -7,7 +7,9 @@ budget (at whole blocks a score_mod's tiles spilled registers). One CTA per tile
 persistent form like the forward's balanced long causal rows worse (docs/decisions.md).
 Neither needs atomics, so both are deterministic; adding dq from the dkv kernel with
 TMA reduce-adds measured slower (docs/decisions.md).
-Each step issues its two score products (S and dP) together, with one wait.
+Each step issues its two score products (S and dP) together, with one wait. In dkv
+the two warpgroups take turns on the tensor cores, as in the forward; in dq, whose
+step is two products then one, taking turns measured no faster (docs/decisions.md).
 `lse_delta` is ``[B, H, 2, S]`` f32: the base-2 lse (+inf on rows with no key,
 so their probabilities are 0) and delta = rowsum(dO * O), computed in XLA.
 dk / dv come per query head; the caller sums a GQA group.
@@ -23,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
                            col_vector, cols_of, copy_side, counts, dense_tile, load_words, logits,
-                           matmul_acc, matmul_acc2, matmul_t2, row_vector, rows_of,
+                           matmul_acc, matmul_acc2, matmul_t2, rendezvous, row_vector, rows_of,
                            smem_tiled, tile_fns, value_scratch)
 
 HALF = BLOCK // 2
@@ -239,7 +241,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         sq_smem = refs.pop(0) if n_sq else None
         skv_smem = refs.pop(0) if n_skv else None
         add_smem = refs.pop(0) if dv_add is not None else None
-        in_ready, q_ready, do_ready, ld_ready, qa_ready, free, d_ready, sq_ready = refs
+        in_ready, q_ready, do_ready, ld_ready, qa_ready, free, d_ready, sq_ready, sched = refs
 
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
         h_kv = h // group
@@ -268,6 +270,11 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             plgpu.barrier_wait(in_ready.at[wg * 4 + 1])
             kv_vals = [row_vector(ka_smem.at[wg, r], interpret) for r in range(n_ka)]
             kv_words = [row_vector(skv_smem.at[wg, r], interpret) for r in range(n_skv)]
+            # The two warpgroups take turns on the tensor cores (as in the forward): one's
+            # dS overlaps the other's products (docs/decisions.md).
+            sync = lambda: rendezvous(sched)
+            if hw:
+                pl.when(wg == 1)(sync)
 
             def step(s_i, carry):
                 dk, dv, d_skv = carry
@@ -281,7 +288,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 if n_sq:
                     plgpu.barrier_wait(sq_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
-                st, dpt = matmul_t2(kw_, q_smem.at[slot], vw, do_smem.at[slot], shape, interpret)
+                st, dpt = matmul_t2(kw_, q_smem.at[slot], vw, do_smem.at[slot], shape, interpret,
+                                    sync if hw else None)
                 words = None if dense is None else lambda: dense_tile(
                     d_smem, d_ready, slot, wg, 0, shape, interpret)
                 q_pos, kv_pos, visible, values = tile_fns(
@@ -297,8 +305,12 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     dst, _, g_cols = pull(dst)
                     if d_values:
                         d_skv = _row_sums(d_skv, g_cols, kv_floats)
-                dst = dst.astype(dt)
-                dv, dk = matmul_acc2(dv, pt.astype(dt), do_smem.at[slot],
+                dst, pt = dst.astype(dt), pt.astype(dt)
+                if hw:
+                    dk, dv, pt, dst, d_skv = lax.optimization_barrier((dk, dv, pt, dst, d_skv))
+                    plgpu.barrier_arrive(sched)
+                    plgpu.barrier_wait(sched)
+                dv, dk = matmul_acc2(dv, pt, do_smem.at[slot],
                                      dk, dst, q_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])
                 return dk, dv, d_skv
@@ -306,6 +318,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             zero = jnp.zeros((ROWS, D), F32)
             zero_rows = [jnp.zeros((ROWS,), F32) for _ in kv_floats if d_values]
             dk, dv, d_skv = lax.fori_loop(0, steps, step, (zero, zero, zero_rows))
+            if hw:
+                pl.when(wg == 0)(sync)
             if dv_add is not None:
                 plgpu.barrier_wait(in_ready.at[NWG * 4 + wg])
                 dv = dv + cols_of(col_vector(add_smem.at[wg], interpret), dv.shape)
@@ -355,7 +369,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
-                plgpu.Barrier(num_barriers=NSTAGE * NWG), plgpu.Barrier(num_barriers=NSTAGE)]
+                plgpu.Barrier(num_barriers=NSTAGE * NWG), plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_arrivals=NWG)]
     extra = [x for x in (qa, ka, dense, sq, skv, dv_add) if x is not None]
     out = jax.ShapeDtypeStruct((B, S_kv, H, D), dt)
     outs = (out, out) + ((jax.ShapeDtypeStruct((B, H, n_skv, S_kv), F32),) if d_values else ())

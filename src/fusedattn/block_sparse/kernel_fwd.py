@@ -25,8 +25,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
                            col_vector, cols_of, copy_side, counts, dense_tile, drain, logits,
-                           matmul_acc, matmul_t, load_words, persistent_programs, row_vector,
-                           rows_of, smem_tiled, tile_fns, value_scratch)
+                           matmul_acc, matmul_t, load_words, persistent_programs, rendezvous,
+                           row_vector, rows_of, smem_tiled, tile_fns, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
@@ -80,9 +80,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
             b, h, t = mine.tile(k)
             return b, h, t, Lists(list_refs, b, h, t, mb, mh), lax.rem(k, 2)
 
-        def sched_sync():
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+        sched_sync = lambda: rendezvous(sched)
 
         @pl.when(wg < NWG)
         def _compute():

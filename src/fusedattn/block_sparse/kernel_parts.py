@@ -60,8 +60,9 @@ def matmul_acc(acc, a, b_ref, interpret):
     return pl.run_state(lambda r: plgpu.wgmma(r, a, b_ref))(plgpu.ACC.init(acc))
 
 
-def matmul_t2(a1, b1, a2, b2, shape, interpret):
-    """(a1 @ b1.T, a2 @ b2.T) with both wgmmas in flight at once (one wait, not two)."""
+def matmul_t2(a1, b1, a2, b2, shape, interpret, between=None):
+    """(a1 @ b1.T, a2 @ b2.T) with both wgmmas in flight at once (one wait, not two);
+    `between` runs while they are in flight."""
     if interpret:
         return tuple(jnp.dot(a[...], b[...].T, preferred_element_type=F32)
                      for a, b in ((a1, b1), (a2, b2)))
@@ -69,6 +70,8 @@ def matmul_t2(a1, b1, a2, b2, shape, interpret):
     def run(x, y):
         plgpu.wgmma(x, a1, b1.T)
         plgpu.wgmma(y, a2, b2.T)
+        if between is not None:
+            between()
         return x[...], y[...]
     return pl.run_scoped(run, plgpu.ACC(shape, F32), plgpu.ACC(shape, F32))
 
@@ -82,6 +85,13 @@ def matmul_acc2(acc1, a1, b1, acc2, a2, b2, interpret):
         plgpu.wgmma(refs[0], a1, b1)
         plgpu.wgmma(refs[1], a2, b2)
     return pl.run_state(run)((plgpu.ACC.init(acc1), plgpu.ACC.init(acc2)))
+
+
+def rendezvous(barrier):
+    """Both compute warpgroups meet at `barrier` (NWG arrivals): the turn-taking on
+    the tensor cores, each warpgroup's products issued while the other computes."""
+    plgpu.barrier_arrive(barrier)
+    plgpu.barrier_wait(barrier)
 
 
 def row_vector(ref, interpret):
