@@ -128,6 +128,8 @@ def score_value_args(name, docs, H):
         "document_alibi": (docs, jax.random.uniform(key[2], (H, 5), jnp.float32, 0.01, 0.1)),
         "packed_distance": (docs * 1000 + jnp.arange(S, dtype=jnp.int32),),
         "gated_by_row": (jax.random.normal(key[3], (B, H, S), jnp.float32),),
+        "checkpointed_capped_scale": (docs, jax.random.uniform(key[0], (5,), jnp.float32,
+                                                               0.5, 1.5)),
     }[name]
 
 
@@ -146,4 +148,7 @@ SCORE_VALUE_MODS = {  # score_mods reading arrays by position, batch or head
         pos[b, i] - pos[b, j]).astype(jnp.float32),
     # a nonlinear mix of the score and a per-(b, h, row) value
     "gated_by_row": lambda s, b, h, i, j, g: s * jax.nn.sigmoid(g[b, h, i]) + jnp.tanh(g[b, h, i]),
+    # under jax.checkpoint (inlined by the jaxpr walker): a soft cap of a per-document scale
+    "checkpointed_capped_scale": jax.checkpoint(
+        lambda s, b, h, i, j, doc, sc: 5.0 * jnp.tanh(s * sc[doc[b, i]] / 5.0)),
 }

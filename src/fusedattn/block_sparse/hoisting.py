@@ -25,7 +25,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from .dependence import index_specs
-from .jaxprs import Eqn, flatten, name_of as _name, value_of
+from ..jaxprs import Eqn, flatten, name_of as _name, value_of
 
 
 class Unsupported(ValueError):

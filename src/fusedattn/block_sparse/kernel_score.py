@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from .dependence import mask_mod_reads
 from .hoisting import SCORE, hoist
-from .jaxprs import plain
+from ..jaxprs import plain
 
 F32 = jnp.float32
 

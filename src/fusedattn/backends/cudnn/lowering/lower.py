@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from ....block_sparse.jaxprs import flatten, name_of
+from ....jaxprs import flatten, name_of
 from ....config import AttnConfig
 from ....score_mods import Masked
 from . import derivative as flex_derivative

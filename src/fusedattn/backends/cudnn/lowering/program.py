@@ -1,7 +1,7 @@
 """One jaxpr's lowering into a program of cuDNN pointwise instructions (`Program`):
 which equations are dynamic (instructions) and which static (XLA evaluates them),
 the forms cuDNN's engines take (int32 index arithmetic, masks as selects), and the
-jaxpr plumbing it needs (which calls stay whole when `block_sparse.jaxprs.flatten`
+jaxpr plumbing it needs (which calls stay whole when `fusedattn.jaxprs.flatten`
 inlines the others, live equations). `lowering.lower` puts a call's two programs
 together; csrc/cuda/flex.h has the grammar."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from ....block_sparse.jaxprs import Eqn
+from ....jaxprs import Eqn
 from .derivative import FUSED_BWD
 
 _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh",

@@ -1,9 +1,9 @@
 """Jaxprs as flat lists of equations, and their evaluation in primitives a Mosaic GPU
-kernel lowers.
+kernel lowers: shared by the block-sparse kernels and the cuDNN score_mod lowering.
 
-`hoisting` splits a mask_mod's or score_mod's flat equations; `plain` evaluates a
-function (a score_mod's derivative) inside a kernel; the cuDNN score_mod lowering
-(backends/cudnn/lowering) lowers `flatten`'s equations too. JAX's derivatives emit
+`block_sparse.hoisting` splits a mask_mod's or score_mod's flat equations; `plain`
+evaluates a function (a score_mod's derivative) inside a block-sparse kernel; the
+cuDNN score_mod lowering (backends/cudnn/lowering) lowers `flatten`'s equations. JAX's derivatives emit
 ``add_any`` to sum cotangents, and calls (pjit, custom_jvp) wrap library functions;
 the Mosaic GPU lowering has no rule for ``add_any``, so `plain` inlines every call
 and adds with ``lax.add``.
