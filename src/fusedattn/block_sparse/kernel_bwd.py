@@ -308,8 +308,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 dst, pt = dst.astype(dt), pt.astype(dt)
                 if hw:
                     dk, dv, pt, dst, d_skv = lax.optimization_barrier((dk, dv, pt, dst, d_skv))
-                    plgpu.barrier_arrive(sched)
-                    plgpu.barrier_wait(sched)
+                    sync()                                   # our turn on the tensor cores
                 dv, dk = matmul_acc2(dv, pt, do_smem.at[slot],
                                      dk, dst, q_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])

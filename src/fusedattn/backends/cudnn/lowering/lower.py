@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from ....jaxprs import flatten, name_of
 from ....config import AttnConfig
+from ....jaxprs import flatten, name_of
 from ....score_mods import Masked
 from . import derivative as flex_derivative
 from . import hoist as flex_hoist
