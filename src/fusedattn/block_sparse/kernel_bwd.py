@@ -9,7 +9,7 @@ Neither needs atomics, so both are deterministic; adding dq from the dkv kernel 
 TMA reduce-adds measured slower (docs/decisions.md).
 Each step issues its two score products (S and dP) together, with one wait. In dkv
 the two warpgroups take turns on the tensor cores, as in the forward; in dq, whose
-step is two products then one, taking turns measured no faster (docs/decisions.md).
+step is two products then one, taking turns as well measured slower (docs/decisions.md).
 `lse_delta` is ``[B, H, 2, S]`` f32: the base-2 lse (+inf on rows with no key,
 so their probabilities are 0) and delta = rowsum(dO * O), computed in XLA.
 dk / dv come per query head; the caller sums a GQA group.
