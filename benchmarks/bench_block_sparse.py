@@ -1,8 +1,9 @@
 """Block-sparse attention (fusedattn.block_sparse.block_sparse_attention, Mosaic GPU
 kernels) on one GPU against fusedattn's plain causal and torch flex_attention,
-forward and forward+backward, b4 s4096 h16 d128 bf16. Two rows compose a score_mod
-that reads arrays (per-head ALiBi slopes, a learned per-document scale) with a mask:
-beside the same mask's row they show what the score_mod costs.
+forward and forward+backward, b4 s4096 h16 d128 bf16. Three rows compose a score_mod
+that reads arrays (per-head ALiBi slopes, a learned per-document scale, a T5 bias table
+read by q_idx - kv_idx) with a mask: beside the same mask's row they show what the
+score_mod costs.
 
 TFLOP/s count visible pairs only (4 * d flops per pair forward, 3.5x that for
 forward+backward), for every row alike, so rows compare as work per second. Our
@@ -29,6 +30,7 @@ from benchmarks import torch_flex
 from benchmarks.common import (device_meta, device_slug, print_table, run_main, time_row,
                                warm_into, write_results)
 from fusedattn import block_sparse as bs
+from fusedattn import score_mods
 from fusedattn.block_sparse.attention import block_sparse_attention
 
 B, S, H, D = 4, 4096, 16, 128
@@ -46,7 +48,7 @@ def _visible_pairs(name):
         m = (j <= i) & (i - j < WINDOW)
     elif name == "prefix_lm":
         m = (j <= i) | (j < PREFIX)
-    elif name == "causal":
+    elif name.startswith("causal"):
         m = j <= i
     else:
         ids = _doc_ids()[0]
@@ -81,13 +83,18 @@ def cases():
         return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None),
                                       score_mod=_doc_scale, score_mod_args=(ids, DOC_SCALE))
 
+    def causal_t5(q, k, v, extra):
+        bm = bs.block_map(lambda b, h, i, j: j <= i, s_q=S, s_kv=S)
+        return block_sparse_attention(q, k, v, bm, score_mod=_t5, score_mod_args=(T5_TABLE,))
+
     return {"sliding_window": window, "prefix_lm": prefix, "documents": documents,
             "documents_dense_mask": documents_dense, "sliding_window+alibi": window_alibi,
-            "documents+document_scale": documents_scale}
+            "documents+document_scale": documents_scale, "causal+t5_bias": causal_t5}
 
 
 SLOPES = jnp.asarray([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], jnp.float32)
 DOC_SCALE = jnp.linspace(0.8, 1.2, len(DOCS), dtype=jnp.float32)
+T5_TABLE = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)
 
 
 def _alibi(s, b, h, i, j, slopes):          # per-head slopes: a (batch, head) value
@@ -96,6 +103,16 @@ def _alibi(s, b, h, i, j, slopes):          # per-head slopes: a (batch, head) v
 
 def _doc_scale(s, b, h, i, j, ids, scale):  # a learned scale per document: a row value
     return s * scale[ids[b, i]]
+
+
+def _t5(s, b, h, i, j, table):   # a T5 bias table: read by q_idx - kv_idx
+    return s + table[h, score_mods.t5_bucket(i, j)]
+
+
+def _t5_buckets():
+    """Each diagonal's bucket, d = i - j from -(S - 1): torch reads the table through it."""
+    d = np.arange(-(S - 1), S)
+    return np.asarray(score_mods.t5_bucket(jnp.asarray(d), 0)).tolist()
 
 
 def plain_causal():
@@ -127,6 +144,8 @@ W, P = %d, %d
 ids = torch.tensor(%s, device="cuda", dtype=torch.int32)
 slopes = torch.tensor(%s, device="cuda", dtype=torch.float32)
 doc_scale = torch.tensor(%s, device="cuda", dtype=torch.float32)
+t5_table = torch.tensor(%s, device="cuda", dtype=torch.float32)
+t5_bucket = torch.tensor(%s, device="cuda", dtype=torch.int32)
 cases = {
   "sliding_window": (None, lambda b, h, i, j: (j <= i) & (i - j < W)),
   "prefix_lm": (None, lambda b, h, i, j: (j <= i) | (j < P)),
@@ -136,6 +155,8 @@ cases = {
                            lambda b, h, i, j: (j <= i) & (i - j < W)),
   "documents+document_scale": (lambda s, b, h, i, j: s * doc_scale[ids[i]],
                                lambda b, h, i, j: ids[i] == ids[j]),
+  "causal+t5_bias": (lambda s, b, h, i, j: s + t5_table[h, t5_bucket[i - j + %d]],
+                     lambda b, h, i, j: j <= i),
 }
 '''
 
@@ -143,7 +164,9 @@ cases = {
 def torch_times() -> dict:
     cases = TORCH_CASES % (WINDOW, PREFIX, json.dumps(_doc_ids()[0].tolist()),
                            json.dumps(np.asarray(SLOPES).tolist()),
-                           json.dumps(np.asarray(DOC_SCALE).tolist()))
+                           json.dumps(np.asarray(DOC_SCALE).tolist()),
+                           json.dumps(np.asarray(T5_TABLE).tolist()), json.dumps(_t5_buckets()),
+                           S - 1)
     return torch_flex.times(B, S, H, D, cases)
 
 

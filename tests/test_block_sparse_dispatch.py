@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import fusedattn
-from fusedattn import dispatch
+from fusedattn import dispatch, score_mods
 from fusedattn.backends import block_sparse as backend
 from fusedattn.inputs import mask_as_bias
 from fusedattn.validation import build_call
@@ -150,6 +150,25 @@ def test_score_mod_reading_a_learned_table_runs_in_the_kernels(hopper, mask_mod)
                                       doc_scale, do, args=(doc, table))
     _check((out,) + got[:3], (ref_out,) + tuple(ref[:3]))
     assert rel_error(np.asarray(got[3]), ref[4]) < TOL_GRAD
+
+
+def test_a_t5_table_runs_here_with_its_gradient(hopper):
+    """A T5 bias table read by q_idx - kv_idx: cuDNN's graph has no gather, so on Hopper
+    block_sparse runs it (values per run of diagonals), under causal; output, dq, dk, dv
+    and the table's gradient against the float64 oracle."""
+    q, k, v, do = _qkvo()
+    table = jax.random.normal(jax.random.key(11), (H, 32), jnp.float32)
+    t5 = lambda s, b, h, i, j, t: s + t[h, score_mods.t5_bucket(i, j)]  # noqa: E731
+    _route(fusedattn.explain(q, k, v, mask="causal", score_mod=t5, score_mod_args=(table,)),
+           hopper)
+    call = jax.jit(lambda q, k, v, t: fusedattn.fused_attn(q, k, v, mask="causal", score_mod=t5,
+                                                           score_mod_args=(t,)))
+    out, vjp = jax.vjp(call, q, k, v, table)
+    got = vjp(do)
+    visible = np.broadcast_to(np.tril(np.ones((S, S), bool)), (B, H, S, S))
+    ref_out, _, ref = bs_cases.oracle(q, k, v, visible, D ** -0.5, t5, do, args=(table,))
+    _check((out,) + got[:3], (ref_out,) + tuple(ref[:3]))
+    assert rel_error(np.asarray(got[3]), ref[3]) < TOL_GRAD
 
 
 def test_a_score_mod_reading_per_head_values_alone_stays_with_cudnn(hopper):
@@ -410,8 +429,8 @@ def test_mask_with_a_bias_runs_as_a_bias(hopper):
 def test_refusals_name_the_reason(hopper):
     q, k, v, _ = _qkvo()
     doc = _docs()
-    by_distance = lambda s, b, h, i, j, t: s + t[b, jnp.abs(i - j) % 8]  # noqa: E731
-    plan = fusedattn.explain(q, k, v, score_mod=by_distance, mask_mod=same_doc,
+    by_sum = lambda s, b, h, i, j, t: s + t[b, (i + j) % 8]  # noqa: E731
+    plan = fusedattn.explain(q, k, v, score_mod=by_sum, mask_mod=same_doc,
                              score_mod_args=(doc,))
     assert "depends on both q_idx and kv_idx" in dict(plan.reasons)["block_sparse"]
     by_head = lambda b, h, i, j, t: t[h, i] == t[h, j]  # noqa: E731

@@ -9,9 +9,10 @@ Each program reads the score, b, h, q_idx, kv_idx and 1-3 of the arrays below
 (float tables per row / column / (batch, head), through ids or not; int arrays read
 per side and combined across sides on the tiles; 8-bit integers that wrap; uint32 ids
 past float32's mantissa; bools; 16-bit float tables; a scalar; closed-over tables and
-constants; reductions and cumulative sums on the device), mixed with elementwise
-operations. Everything it reads is by one side or by (b, h) only, so every program
-must split. Float32 throughout; the tile side must match to a few ulps (it runs the
+constants; reductions and cumulative sums on the device; tables read by a function
+of q_idx - kv_idx, such as a T5 bucket), mixed with elementwise operations. Everything
+it reads is by one side, by (b, h) only or by the diagonal, so every program must
+split. Float32 throughout; the tile side must match to a few ulps (it runs the
 same primitives), the gradients to float32 summation order.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fusedattn import score_mods
 from fusedattn.block_sparse import hoisting, kernel_score
 from fusedattn.block_sparse.hoisting import Unsupported
 
@@ -132,6 +134,25 @@ def _side_float(rng, side, avail):
     return _pick(rng, options)
 
 
+def _diag_float(rng, avail):
+    """A float read by a function of q_idx - kv_idx (one value per run of diagonals)."""
+    d = lambda e: e["q"] - e["kv"]  # noqa: E731
+    c = int(rng.integers(0, 4))
+    options = [lambda e: jnp.asarray(CONST_F)[jnp.clip(d(e) + c, 0, L - 1)]]
+    if "th" in avail:
+        options += [lambda e: e["th"][e["h"], jnp.abs(d(e)) % L],
+                    lambda e: e["th"][e["h"], score_mods.t5_bucket(e["q"], e["kv"], L, 6)],
+                    lambda e: e["th"][e["h"], score_mods.t5_bucket(
+                        e["q"], e["kv"], L, 4, bidirectional=False)] * d(e).astype(F32)]
+    if "tb" in avail:
+        options.append(lambda e: e["tb"][e["b"], jnp.minimum(jnp.abs(e["kv"] - e["q"]), L - 1)])
+    if "gate" in avail:
+        options.append(lambda e: e["gate"][e["b"], e["h"], (d(e) // 2) % L])
+    if "pos" in avail:  # an int read by the diagonal, on the tiles as a bit-cast word
+        options.append(lambda e: e["pos"][e["b"], (d(e) + c) % L].astype(F32) * 0.1)
+    return _pick(rng, options)
+
+
 def _bh_float(rng, avail):
     """A float read by (b, h) only (or by nothing: a scalar)."""
     c = int(rng.integers(L))
@@ -236,6 +257,8 @@ def _float(rng, depth, avail):
     if k == 0:
         return lambda e: e["s"]
     if k in (1, 2):
+        if k == 2 and BH_ONLY not in avail and rng.random() < 0.5:
+            return _diag_float(rng, avail)
         return _side_float(rng, _pick(rng, ("q", "kv")), avail)
     if k == 3:
         return _bh_float(rng, avail)
@@ -356,16 +379,28 @@ def _tiles(layout, x, r, c):
             [tile(v, ka) for v in c])
 
 
+def _diag_tiles(split, diags, bb, hh, q, kv):
+    """The diagonal values' tiles at (bb, hh) over the pairs of q, kv (the reference's
+    gather form of what a kernel rebuilds run by run)."""
+    if diags is None:
+        return []
+    words = split.runs.tile(_at(diags, bb, hh), q - kv)   # [l, *tile]
+    return list(jnp.broadcast_to(words, (words.shape[0],) + jnp.broadcast_shapes(q.shape,
+                                                                              kv.shape)))
+
+
 def _q_major(layout, t):
     return t.T if layout == "tile_t" else t
 
 
-def _kernel_side(split, rows, cols, layout, score=SCORE):
+def _kernel_side(split, rows, cols, layout, score=SCORE, diags=None):
     """[B, H, S_Q, S_KV] from the split's tile function, b and h scalars inside."""
     def one(bb, hh):
         x, q, kv, rt, ct = _tiles(layout, score[bb, hh], [_at(v, bb, hh) for v in rows],
                                   [_at(v, bb, hh) for v in cols])
-        return _q_major(layout, jnp.broadcast_to(split(x, bb, hh, q, kv, rt, ct), x.shape))
+        dt = _diag_tiles(split, diags, bb, hh, q, kv)
+        return _q_major(layout, jnp.broadcast_to(split(x, bb, hh, q, kv, rt, ct, diags=dt),
+                                                 x.shape))
     return jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(B), jnp.arange(H))
 
 
@@ -411,16 +446,18 @@ def _forward(seed):
 
     def run(args):
         rows, cols = split.values(args)
+        diags = split.diagonal(args)
         ks = kernel_score.kernel_score(fn, args, B, H, S_Q, S_KV)
         seen.append(ks.fn)
         return (rows, cols, ks.q_values, ks.kv_values, _truth(fn, args),
-                [_kernel_side(split, rows, cols, layout) for layout in layouts])
+                [_kernel_side(split, rows, cols, layout, diags=diags) for layout in layouts])
 
     def check(outputs):
         rows, cols, q_values, kv_values, want, got = outputs
         _check_values(split, rows, cols)
         # kernel_score's own form: the same split, the values stacked per side
         assert seen[0].call is split and (seen[0].q_floats, seen[0].kv_floats) == split.floats
+        assert (seen[0].d_floats, seen[0].runs) == (split.d_floats, split.runs)
         for stacked, values in ((q_values, rows), (kv_values, cols)):
             assert (stacked is None) == (not values)
             for i, v in enumerate(values):
@@ -455,27 +492,34 @@ def test_the_generator_covers_the_cases():
                              (side, "heads" if v.shape[1] > 1 else "no heads"),
                              (side, "batch" if v.shape[0] > 1 else "no batch")})
         seen.add("by position" if split.by_position else "per (b, h) only")
-    assert seen == {(side, kind) for side in ("row", "col") for kind in (
+        diags = jax.eval_shape(split.diagonal, args)
+        for f in split.d_floats:
+            seen.update({("diagonal", "float" if f else "int"),
+                         ("diagonal", "heads" if diags.shape[1] > 1 else "no heads"),
+                         ("diagonal", "batch" if diags.shape[0] > 1 else "no batch")})
+    assert seen == {(side, kind) for side in ("row", "col", "diagonal") for kind in (
         "float", "int", "heads", "no heads", "batch", "no batch")} | {
         "by position", "per (b, h) only"}, seen
 
 
 # ---- gradients ---------------------------------------------------------------------------
-def _pullbacks(split, rows, cols, layout, sides, g, score=SCORE):
+def _pullbacks(split, rows, cols, layout, sides, g, score=SCORE, diags=None):
     """(y, dx [B, H, S_Q, S_KV], [per float row value: its gradient [B, H, S_Q]], [per
-    float column value: [B, H, S_KV]]) from `kernel_score.apply` on each (b, h) tile,
-    the value gradients summed over the tile's other axis as the kernels do."""
-    score_fn = kernel_score.ScoreFn(split, *split.floats)
+    float column value: [B, H, S_KV]], [per float diagonal value: [B, H, K]]) from
+    `kernel_score.apply` on each (b, h) tile, the value gradients summed over the tile's
+    other axis (a diagonal value's per run) as the kernels do."""
+    score_fn = kernel_score.ScoreFn(split, *split.floats, split.d_floats, split.runs)
     q_axis = 0 if layout in ("tile", "ref", "narrow") else 1
 
     def one(bb, hh):
         x, q, kv, rt, ct = _tiles(layout, score[bb, hh], [_at(v, bb, hh) for v in rows],
                                   [_at(v, bb, hh) for v in cols])
-        y, pull = kernel_score.apply(score_fn, x, bb, hh, q, kv, rt, ct, with_grad=True,
+        dt = _diag_tiles(split, diags, bb, hh, q, kv)
+        y, pull = kernel_score.apply(score_fn, x, bb, hh, q, kv, (rt, ct, dt), with_grad=True,
                                      sides=sides)
-        dx, dq, dk = pull(_q_major(layout, g[bb, hh]))
+        dx, dq, dk, dd = pull(_q_major(layout, g[bb, hh]))
         return (_q_major(layout, y), _q_major(layout, dx), [t.sum(1 - q_axis) for t in dq],
-                [t.sum(q_axis) for t in dk])
+                [t.sum(q_axis) for t in dk], [split.runs.sums(t, q - kv) for t in dd])
     return jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(B), jnp.arange(H))
 
 
@@ -519,29 +563,36 @@ def _gradients(seed, counts):
         want = jax.grad(loss, argnums=tuple(range(1 + len(diff))))(SCORE, *fargs)
         want_y = _truth(fn, with_floats(fargs))
         rows, cols = split.values(with_floats(fargs))
-        # as the kernels: dq's tile (q along rows) owns the row values, dk/dv's key-major
-        # tile the column values; and once with both sides on the reference's tile (full
-        # value tiles, as the kernels: on "narrow" ones a float16 value's gradient would
-        # be summed in float16)
-        pulls = [_pullbacks(split, rows, cols, "tile", ("q",), g),
-                 _pullbacks(split, rows, cols, "tile_t", ("kv",), g),
-                 _pullbacks(split, rows, cols, "ref", ("q", "kv"), g)]
+        diags = split.diagonal(with_floats(fargs))
+        # as the kernels: dq's tile (q along rows) owns the row and diagonal values,
+        # dk/dv's key-major tile the column values; and once with all sides on the
+        # reference's tile (full value tiles, as the kernels: on "narrow" ones a float16
+        # value's gradient would be summed in float16)
+        pulls = [_pullbacks(split, rows, cols, "tile", ("q", "d"), g, diags=diags),
+                 _pullbacks(split, rows, cols, "tile_t", ("kv",), g, diags=diags),
+                 _pullbacks(split, rows, cols, "ref", ("q", "kv", "d"), g, diags=diags)]
         # the value gradients summed to the values, carried to the float args
-        _, vjp = jax.vjp(lambda *fa: split.values(with_floats(fa)), *fargs)
-        got = vjp((_cotangents(rows, split.floats[0], pulls[0][2]),
-                   _cotangents(cols, split.floats[1], pulls[1][3])))
+        _, vjp = jax.vjp(lambda *fa: (split.values(with_floats(fa)),
+                                      split.diagonal(with_floats(fa))), *fargs)
+        d_diags = None if diags is None else _cotangents(
+            [diags[:, :, i] for i in range(diags.shape[2])], split.d_floats, pulls[0][4])
+        got = vjp(((_cotangents(rows, split.floats[0], pulls[0][2]),
+                    _cotangents(cols, split.floats[1], pulls[1][3])),
+                   None if d_diags is None else jnp.stack(d_diags, axis=2)))
         return want, want_y, pulls, got
 
     def check(outputs):
         want, want_y, pulls, got = outputs
-        (y1, dx1, dq1, dk1), (y2, dx2, dq2, dk2), (y3, dx3, dq3, dk3) = pulls
+        (y1, dx1, dq1, dk1, dd1), (y2, dx2, dq2, dk2, dd2), (y3, dx3, dq3, dk3, dd3) = pulls
         want_y = np.broadcast_to(np.asarray(want_y, np.float32), g.shape)
-        assert not dk1 and not dq2, "a kernel got gradients for the side it does not own"
+        assert not dk1 and not dq2 and not dd2, \
+            "a kernel got gradients for the side it does not own"
         assert len(dq3) == sum(split.floats[0]) and len(dk3) == sum(split.floats[1])
+        assert len(dd3) == sum(split.d_floats)
         for y, dx in ((y1, dx1), (y2, dx2), (y3, dx3)):
             np.testing.assert_allclose(np.asarray(y), want_y, rtol=2e-6, atol=2e-6)
             assert _rel(dx, want[0]) < 1e-5, ("dx", _rel(dx, want[0]))
-        for a, b_ in zip(dq1 + dk2, dq3 + dk3):
+        for a, b_ in zip(dq1 + dk2 + dd1, dq3 + dk3 + dd3):
             assert _rel(a, b_) < 1e-5, ("the value gradients by side and both", _rel(a, b_))
         for i, gi, wi in zip(diff, got, want[1:]):
             assert np.isfinite(np.asarray(wi)).all()
@@ -569,9 +620,12 @@ def _bad_term(rng):
     r, c = _side_int(rng, "q", set(ints)), _side_int(rng, "kv", set(ints))
     w = float(rng.uniform(0.1, 1.0))
     return _pick(rng, (
-        (lambda e: e["t"][e["h"], jnp.abs(e["q"] - e["kv"]) % L], BOTH),
+        # (a function of q - kv is a diagonal read; a sum, a product, 2q - kv are not)
+        (lambda e: e["t"][e["h"], (e["q"] + e["kv"]) % L], BOTH),
         (lambda e: e["t"][e["h"], (e["q"] * e["kv"]) % L], BOTH),
-        (lambda e: e["t"][e["h"], jnp.minimum(jnp.abs(e["q"] - e["kv"]), L - 1)] * 0.0, BOTH),
+        (lambda e: e["t"][e["h"], jnp.clip(2 * e["q"] - e["kv"], 0, L - 1)] * 0.0, BOTH),
+        (lambda e: e["t"][e["h"], jnp.abs(e["q"] - e["kv"]) % L] * e["q"].astype(F32)
+         + e["t"][e["h"], (jnp.abs(e["q"] - e["kv"]) + e["kv"]) % L], BOTH),
         (lambda e: e["t"][e["h"], (e["doc"][e["b"], e["q"]] + e["doc"][e["b"], e["kv"]]) % L],
          BOTH),
         (lambda e: e["t"][e["h"], jnp.abs(r(e) - c(e)) % L], BOTH),

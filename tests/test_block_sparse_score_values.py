@@ -1,6 +1,6 @@
 """score_mods that read arrays, in the block-sparse kernels' form (`kernel_score`):
-values read per row, per column or per (batch, head) are hoisted, the tiles run the
-rest, and the backward returns the float values' gradients, which reach the args.
+values read per row, per column, per (batch, head) or per run of diagonals (a T5
+table by q_idx - kv_idx) are hoisted, the tiles run the rest, and the backward returns the float values' gradients, which reach the args.
 On CPU `block_sparse.reference` runs the same split and pullback as the kernels;
 each case is checked against the float64 oracle for the output, lse, dq, dk, dv
 and every float arg's gradient, under GQA, a sparse mask and a length that is not
@@ -15,6 +15,7 @@ import pytest
 from support.block_sparse_cases import (SCORE_VALUE_MODS, dense_visibility, doc_ids, oracle,
                                         rel_error, score_value_args)
 from fusedattn import block_sparse as bs
+from fusedattn import score_mods
 from fusedattn.block_sparse import kernel_score
 from fusedattn.block_sparse.attention import (block_sparse_attention,
                                               block_sparse_attention_with_lse)
@@ -89,6 +90,35 @@ def test_values_are_hoisted_per_side_and_kind():
                               B, H, S, S) is None
 
 
+@pytest.mark.parametrize("bidirectional", [True, False])
+def test_diagonal_reads_take_one_value_per_run(bidirectional):
+    """A T5 table read by q_idx - kv_idx: runs of diagonals where the bucket holds (the
+    longest such, against every diagonal's bucket), one word per run and head, and the
+    tile side fed those words equal to the score_mod on every pair."""
+    table = jax.random.normal(jax.random.key(3), (H, 32), jnp.float32)
+
+    def mod(s, b, h, i, j, t):
+        return s + t[h, score_mods.t5_bucket(i, j, bidirectional=bidirectional)]
+    s_q, s_kv = S, S - 37
+    split = kernel_score.split(mod, [jax.ShapeDtypeStruct(table.shape, table.dtype)], B, H,
+                               s_q, s_kv)
+    runs = split.runs
+    d = np.arange(-(s_kv - 1), s_q)
+    bucket = np.asarray(score_mods.t5_bucket(jnp.asarray(d), 0, bidirectional=bidirectional))
+    starts = np.flatnonzero(np.r_[True, bucket[1:] != bucket[:-1]])
+    np.testing.assert_array_equal(runs.lo, np.r_[d[starts], s_q])
+    assert split.floats == ((), ()) and split.d_floats == (True,) and split.by_position
+    words = split.diagonal((table,))
+    assert words.shape == (1, H, 1, runs.count)
+    np.testing.assert_array_equal(words[0, :, 0], np.asarray(table)[:, bucket[starts]])
+    q_idx, kv_idx = jnp.arange(s_q)[:, None], jnp.arange(s_kv)[None, :]
+    x = jax.random.normal(jax.random.key(4), (s_q, s_kv))
+    for h in range(H):
+        tiles = [runs.tile(words[0, h, 0], q_idx - kv_idx)]
+        np.testing.assert_array_equal(np.asarray(split(x, 0, h, q_idx, kv_idx, [], [], diags=tiles)),
+                                      np.asarray(mod(x, 0, h, q_idx, kv_idx, table)))
+
+
 def test_integer_values_stay_exact():
     """Ids past float32's 24-bit mantissa survive: integers travel bit-cast."""
     big = jnp.full((B, S), 2 ** 26 + 1, jnp.int32).at[:, S // 2:].set(2 ** 26)
@@ -103,8 +133,10 @@ def test_integer_values_stay_exact():
 
 
 @pytest.mark.parametrize("fn, words", [
-    (lambda s, b, h, i, j, t: s + t[h, jnp.minimum(jnp.abs(i - j), 7)],
+    (lambda s, b, h, i, j, t: s + t[h, jnp.minimum(i + j, 7)],
      "depends on both q_idx and kv_idx"),
+    # by q_idx - kv_idx, but changing index on every diagonal: more runs than hoisted
+    (lambda s, b, h, i, j, t: s + t[h, (i - j) % 8], "runs of diagonals"),
     (lambda s, b, h, i, j, t: s + t[(s > 0).astype(jnp.int32), 0], "depends on the score"),
 ])
 def test_reads_with_no_in_kernel_form_are_refused(fn, words):

@@ -19,7 +19,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Alibi", "Masked", "SoftCap", "alibi", "alibi_slopes", "softcap"]
+__all__ = ["Alibi", "Masked", "SoftCap", "alibi", "alibi_slopes", "softcap", "t5_bucket"]
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -42,6 +42,33 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     exponents = [-8.0 * (i + 1) / n for i in range(n)]
     exponents += [-4.0 * (2 * k + 1) / n for k in range(h - n)]
     return np.asarray([2.0 ** e for e in exponents], np.float64).astype(np.float32)
+
+
+def t5_bucket(q_idx, kv_idx, num_buckets: int = 32, max_distance: int = 128,
+              bidirectional: bool = True):
+    """T5's relative-position bucket of each (query, key) pair, int32.
+
+    The distance ``kv_idx - q_idx`` gets one bucket per value below half the buckets
+    (of one direction), then buckets spaced logarithmically up to `max_distance`, past
+    which all distances share the last one. Bidirectional: half the buckets for keys
+    after the query. Otherwise keys after the query share bucket 0. A bias table read
+    through it, ``s + table[h, t5_bucket(q_idx, kv_idx)]``, runs in the block-sparse
+    kernels (a read by ``q_idx - kv_idx``) with the table's gradient.
+    """
+    rel = kv_idx - q_idx
+    n = num_buckets
+    if bidirectional:
+        n //= 2
+        base = jnp.where(rel > 0, n, 0)
+        rel = jnp.abs(rel)
+    else:
+        base = 0
+        rel = -jnp.minimum(rel, 0)
+    exact = n // 2
+    # (the logarithm at 0 is never taken: those distances are exact buckets)
+    far = exact + (jnp.log(jnp.maximum(rel, exact).astype(jnp.float32) / exact)
+                   / math.log(max_distance / exact) * (n - exact)).astype(jnp.int32)
+    return (base + jnp.where(rel < exact, rel, jnp.minimum(far, n - 1))).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fusedattn import block_sparse as bs
+from fusedattn import score_mods
 
 
 def doc_ids(b, s, lengths):
@@ -130,6 +131,10 @@ def score_value_args(name, docs, H):
         "gated_by_row": (jax.random.normal(key[3], (B, H, S), jnp.float32),),
         "checkpointed_capped_scale": (docs, jax.random.uniform(key[0], (5,), jnp.float32,
                                                                0.5, 1.5)),
+        "t5_table": (jax.random.normal(key[1], (H, 32), jnp.float32),),
+        "t5_causal_document_scale": (docs, jax.random.uniform(key[2], (5,), jnp.float32,
+                                                              0.5, 1.5),
+                                     jax.random.normal(key[3], (H, 16), jnp.float32)),
     }[name]
 
 
@@ -151,4 +156,9 @@ SCORE_VALUE_MODS = {  # score_mods reading arrays by position, batch or head
     # under jax.checkpoint (inlined by the jaxpr walker): a soft cap of a per-document scale
     "checkpointed_capped_scale": jax.checkpoint(
         lambda s, b, h, i, j, doc, sc: 5.0 * jnp.tanh(s * sc[doc[b, i]] / 5.0)),
+    # a T5 bias table read by q_idx - kv_idx: values per run of diagonals
+    "t5_table": lambda s, b, h, i, j, t: s + t[h, score_mods.t5_bucket(i, j)],
+    # the same, one-directional, beside a per-document scale read by the row
+    "t5_causal_document_scale": lambda s, b, h, i, j, doc, sc, t: s * sc[doc[b, i]] + t[
+        h, score_mods.t5_bucket(i, j, 16, 64, bidirectional=False)],
 }

@@ -133,12 +133,13 @@ def _mean_over(unseen_rows: str, s_kv: int) -> Optional[int]:
 
 def _score(score_mod, score_mod_args, batch, heads, s_q, s_kv):
     """(the kernels' score function or None, its (row, column) values padded to whole
-    blocks: differentiable in the float args, `kernel_score`)."""
+    blocks and its values per run of diagonals: differentiable in the float args,
+    `kernel_score`)."""
     score = kernel_score(score_mod, tuple(score_mod_args), batch, heads, s_q, s_kv)
     if score is None:
-        return None, (None, None)
+        return None, (None, None, None)
     return score.fn, (_pad_tokens(score.q_values, whole(s_q), axis=3),
-                      _pad_tokens(score.kv_values, whole(s_kv), axis=3))
+                      _pad_tokens(score.kv_values, whole(s_kv), axis=3), score.d_values)
 
 
 def _operands(q, k, v, bm, scale, implementation):
@@ -226,11 +227,12 @@ def _bwd(fn, scale, score, impl, mean_over, res, cts):
         unseen = jnp.swapaxes(lse2 == -jnp.inf, 1, 2)[..., None]       # [B, S, H, 1]
         dv_add = jnp.where(unseen, do.astype(jnp.float32), 0.0).sum(1) / mean_over
     kernels = kernel_bwd if impl == "mosaic" else reference
-    dq, d_q_values = kernels.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
+    dq, d_q_values, d_d_values = kernels.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
     dk, dv, d_kv_values = kernels.dkv(q, k, v, do, lse_delta, bwd_lists, km, dv_add=dv_add,
                                       **kw)
     dk, dv = (_group_sum(x, k.shape[2]).astype(k.dtype) for x in (dk, dv))
-    d_values = tuple(_summed_to(g, x) for g, x in zip((d_q_values, d_kv_values), values))
+    d_values = tuple(_summed_to(g, x) for g, x in
+                     zip((d_q_values, d_kv_values, d_d_values), values))
     zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), ints)
     return dq, dk, dv, None, d_values, zeros
 
@@ -239,7 +241,7 @@ _attention.defvjp(_fwd, _bwd)
 
 
 def _summed_to(grad, x):
-    """A value-words gradient [B, H, n, S] summed to the words' broadcast shape (zeros
+    """A value-words gradient [B, H, n, S | K] summed to the words' broadcast shape (zeros
     where the kernels returned none: no value there is a float)."""
     if x is None:
         return None

@@ -14,6 +14,10 @@ on both q and kv, so no ``s_q x s_kv`` array forms.
 * A score_mod's values (`SCORE`) may also depend on the head and be floats: 32-bit
   words ``[B|1, H|1, s]`` as float32, integers bit-cast (so ids stay exact), and the
   float ones differentiable (the kernels return their gradients, `Hoisted.floats`).
+* A score_mod may also read by a function of ``q_idx - kv_idx`` (a T5 bucket table):
+  those values are taken once per run of diagonals sharing an index (`diagonal`),
+  found from a second trace at ``s_q + s_kv - 1`` rows and one column, where each
+  row is one diagonal.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from .dependence import index_specs
+from .diagonal import MAX_RUNS, Runs
 from ..jaxprs import Eqn, flatten, name_of as _name, value_of
 
 
@@ -33,8 +38,9 @@ class Unsupported(ValueError):
 
 
 # What a value depends on, as bits. _DEVICE: it comes from an operation no kernel
-# runs (a gather, a reduction, ...), so it must be computed before the kernel.
-_B, _H, _Q, _KV, _ARG, _DEVICE, _S = 1, 2, 4, 8, 16, 32, 64
+# runs (a gather, a reduction, ...), so it must be computed before the kernel. _D: on
+# q_idx and kv_idx only through q_idx - kv_idx (tracked for score_mods).
+_B, _H, _Q, _KV, _ARG, _DEVICE, _S, _D = 1, 2, 4, 8, 16, 32, 64, 128
 
 
 class Kind(NamedTuple):
@@ -57,6 +63,11 @@ _ELEMENTWISE = frozenset({
     "integer_pow", "square", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "floor", "ceil", "round", "exp", "exp2", "log", "sqrt", "rsqrt", "pow",
     "is_finite", "tanh", "logistic"})
+# Elementwise operations no kernel runs, computed on the device where they read
+# nothing but q_idx - kv_idx (a T5 bucket's logarithm, say).
+_DEVICE_POINTWISE = frozenset({"log1p", "expm1", "sin", "cos", "tan", "asin", "acos", "atan",
+                               "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc",
+                               "erf_inv", "cbrt", "lgamma", "digamma", "nextafter"})
 _READS = frozenset({"gather", "dynamic_slice"})  # what jnp indexing becomes
 _SAME_SHAPES = frozenset({"select_n", "clamp"})  # (lax broadcasts only scalars here)
 
@@ -67,54 +78,73 @@ _REASONS = {
              "are hoisted)",
     "shape": "an array read gives a value of shape {shape}, not one per row [B|1, {h}, s_q, 1] "
              "or per column [B|1, {h}, 1, s_kv]",
+    "runs": "its reads by q_idx - kv_idx change index at {runs} runs of diagonals (at most "
+            f"{MAX_RUNS} are hoisted)",
 }
+# Index conversions that keep a position exact (up to 2^24 for float32).
+_EXACT = frozenset(np.dtype(t) for t in ("int32", "int64", "uint32", "uint64", "float32",
+                                         "float64"))
 
 
 class Hoisted:
     """A function split at its per-row / per-column values (see the module doc)."""
 
-    def __init__(self, kind, inputs, consts, device, kernel, rows, cols, out, s_q, s_kv):
+    def __init__(self, kind, inputs, consts, device, kernel, sides, out, s_q, s_kv,
+                 diagonal=None):
+        rows, cols, diags = sides
         self.kind = kind
         self._inputs, self._consts = inputs, consts
         self._device, self._kernel = device, kernel
-        self._rows, self._cols, self._out = rows, cols, out
+        self._rows, self._cols, self._diags, self._out = rows, cols, diags, out
+        self._diagonal = diagonal   # (the second trace's evaluation, runs) or None
         self.s_q, self.s_kv = s_q, s_kv
         self.n_rows, self.n_cols = len(rows), len(cols)  # how many values of each side
         # which values are floating point (a score_mod's differentiable ones), per side
         self.floats = (tuple(_is_float(v.aval.dtype) for v in rows),
                        tuple(_is_float(v.aval.dtype) for v in cols))
+        self.d_floats = tuple(_is_float(v.aval.dtype) for v in diags)
         # whether a value varies along the rows or columns (not only with b and h)
-        self.by_position = any(v.aval.shape[2:3] not in ((), (1,)) for v in rows) or \
+        self.by_position = bool(diags) or \
+            any(v.aval.shape[2:3] not in ((), (1,)) for v in rows) or \
             any(v.aval.shape[3:4] not in ((), (1,)) for v in cols)
+
+    @property
+    def runs(self) -> Optional[Runs]:
+        """The runs of diagonals of the values read by ``q_idx - kv_idx`` (None: none)."""
+        return None if self._diagonal is None else self._diagonal[1]
 
     def values(self, args: Sequence):
         """(per-row list, per-column list) of the values from the function's actual
         arguments: int32 ``[B|1, s]`` for a mask_mod, float32 words ``[B|1, H|1, s]``
         for a score_mod (differentiable in the float args)."""
-        n_index = len(self.kind.index_bits)
-        env = dict(self._consts)
-        for axis, v in enumerate(self._inputs[n_index - 4:n_index]):
-            env[v] = jax.lax.broadcasted_iota(v.aval.dtype, v.aval.shape, axis)
-        env.update(zip(self._inputs[n_index:], (jnp.asarray(a, v.aval.dtype)
-                                                for a, v in zip(args, self._inputs[n_index:]))))
-        for e in self._device:
-            params = e.prim.get_bind_params(e.params)
-            sub, params = params if isinstance(params, tuple) else ((), params)  # older JAX
-            outs = e.prim.bind(*sub, *[_read(env, v) for v in e.ins], **params)
-            env.update(zip(e.outs, outs if e.prim.multiple_results else [outs]))
+        env = _evaluate(self.kind, self._inputs, self._consts, self._device, args)
         flat = _word if self.kind.floats else lambda x: x[:, 0].astype(jnp.int32)
         return ([flat(_flat(env[v], self.s_q, 2)) for v in self._rows],
                 [flat(_flat(env[v], self.s_kv, 3)) for v in self._cols])
 
-    def __call__(self, *index_rows_cols):
-        """``split(*index, rows, cols)``: the function on tiles. `index` its leading inputs (b, h scalars, q / kv
-        position tiles; a score_mod's score first), `rows` / `cols` the values' tiles
-        as `values` gives them (broadcastable to q / kv's shape). A mask_mod's result
+    def diagonal(self, args: Sequence):
+        """The values read by ``q_idx - kv_idx``, one per run (`runs`): float32 words
+        ``[B|1, H|1, n, K]`` (differentiable in the float args), or None."""
+        if self._diagonal is None:
+            return None
+        (inputs, consts, device, diags, index), runs = self._diagonal
+        env = _evaluate(self.kind, inputs, consts, device, args, index)
+        n = runs.run_of.shape[0]
+        words = [_word(_flat(env[v], n, 2))[..., runs.starts] for v in diags]
+        lead = tuple(max(w.shape[a] for w in words) for a in (0, 1))
+        return jnp.stack([jnp.broadcast_to(w, lead + w.shape[2:]) for w in words], axis=2)
+
+    def __call__(self, *index_rows_cols, diags=()):
+        """``split(*index, rows, cols, diags=...)``: the function on tiles. `index` its
+        leading inputs (b, h scalars, q / kv position tiles; a score_mod's score first),
+        `rows` / `cols` the values' tiles as `values` gives them (broadcastable to q /
+        kv's shape), `diags` those of `diagonal` at each pair's run. A mask_mod's result
         is a boolean tile; a score_mod's is in its own dtype."""
         *index, rows, cols = index_rows_cols
         env = {v: _wide(c.reshape(())) for v, c in self._consts.items() if np.size(c) == 1}
         env.update(zip(self._inputs[:len(index)], index))
-        for v, x in zip(self._rows + self._cols, list(rows) + list(cols)):
+        for v, x in zip(self._rows + self._cols + self._diags,
+                        list(rows) + list(cols) + list(diags)):
             env[v] = _from_tile(x, v.aval.dtype, self.kind.floats)
         for e in self._kernel:
             env[e.outs[0]] = _on_tiles(e, [_read(env, v, wide=True) for v in e.ins])
@@ -131,24 +161,38 @@ def hoist(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
     """Split ``fn(b, h, q_idx, kv_idx, *args)`` (a `SCORE` kind: ``fn(score, b, h,
     q_idx, kv_idx, *args)``) at its array reads (`arg_specs`: the args'
     ShapeDtypeStructs); raises `Unsupported` naming the rule it breaks."""
-    eqns, inputs, consts, out, dep = _program(fn, kind, arg_specs, batch, heads, s_q, s_kv)
+    dims = (batch, heads, s_q, s_kv)
+    eqns, inputs, consts, out, dep = _program(fn, kind, arg_specs, *dims)
+    kernel, frontier = _frontier(kind, eqns, inputs, consts, out, dep, dims)
+    side = {v: _side(kind, v, dep[v], *dims) for v in frontier}
+    rows, cols, diags = ([v for v in frontier if side[v] == k] for k in (2, 3, 4))
+    diagonal = _diagonal(fn, kind, arg_specs, dims, len(diags)) if diags else None
+    return Hoisted(kind, inputs, consts, _slice(eqns, rows + cols)[0], kernel,
+                   (rows, cols, diags), out, s_q, s_kv, diagonal)
+
+
+def _frontier(kind, eqns, inputs, consts, out, dep, dims):
+    """(the equations the kernel evaluates, the hoisted values they read), or
+    `Unsupported`."""
     producer = {o: e for e in eqns for o in e.outs}
     everything = list(inputs) + list(consts) + [o for e in eqns for o in e.outs]
-    hoisted = {v for v in everything  # what reads an array or needs the device, on one side
-               if dep[v] & (_ARG | _DEVICE) and not dep[v] & _S
-               and (dep[v] & (_Q | _KV)) != _Q | _KV}
+    # What reads an array or needs the device, on one side; of q_idx - kv_idx only a read
+    # itself (what follows it runs on the tiles, the values taken once per run).
+    hoisted = {v for v in everything
+               if dep[v] & (_ARG | _DEVICE) and not dep[v] & _S and not _both_positions(dep[v])
+               and not (dep[v] & _D and _in_kernel(producer[v]))}
     kernel, frontier = _split(eqns, out, hoisted, everything)
     for e in reversed(kernel):  # (moving values into the kernel below adds none of these)
         if not _in_kernel(e):
             d = dep[e.outs[0]]
             raise Unsupported(_refusal(kind, (
                 f"it reads an array at an index that depends on {_both(d)} (only per-row, "
-                "per-column or per-(batch, head) reads are hoisted)")
+                "per-column, per-(batch, head) or, in a score_mod, q_idx - kv_idx reads are "
+                "hoisted)")
                 if e.prim.name in _READS and d & _ARG else (
                 f"its {e.prim.name} of values of {_both(d)} is no elementwise operation")))
     while True:
-        bad = [(v, why) for v in frontier
-               if (why := _problem(kind, v, dep[v], batch, heads, s_q, s_kv)) is not None]
+        bad = [(v, why) for v in frontier if (why := _problem(kind, v, dep[v], *dims)) is not None]
         if not bad:
             break
         for v, why in bad:
@@ -161,14 +205,47 @@ def hoist(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
             hoisted.discard(v)  # computed in the kernel from what it reads instead
         kernel, frontier = _split(eqns, out, hoisted, everything)
     for e in kernel:
-        if not _keeps_layout(e, (batch, heads, s_q, s_kv)):
+        if not _keeps_layout(e, dims):
             raise Unsupported(_refusal(kind,
                 f"its {e.prim.name} gives shape {e.outs[0].aval.shape}: kernel-side values must "
                 "keep the index layout [B|1, H|1, s_q|1, s_kv|1]"))
-    rows = [v for v in frontier if _side(kind, v, dep[v], batch, heads, s_q, s_kv) == 2]
-    cols = [v for v in frontier if _side(kind, v, dep[v], batch, heads, s_q, s_kv) == 3]
-    return Hoisted(kind, inputs, consts, _slice(eqns, frontier)[0], kernel, rows, cols, out,
-                   s_q, s_kv)
+    return kernel, frontier
+
+
+def _diagonal(fn, kind, arg_specs, dims, count):
+    """The reads by ``q_idx - kv_idx`` from a second trace with one row per diagonal
+    and one column: row i, column ``s_kv - 1`` is diagonal ``i - (s_kv - 1)``. Returns
+    ((inputs, consts, device equations, its diagonal values, index values), Runs)."""
+    batch, heads, s_q, s_kv = dims
+    n = s_q + s_kv - 1
+    small = (batch, heads, n, 1)
+    eqns, inputs, consts, out, dep = _program(fn, kind, arg_specs, *small)
+    _, frontier = _frontier(kind, eqns, inputs, consts, out, dep, small)
+    diags = [v for v in frontier if _side(kind, v, dep[v], *small) == 4]
+    if len(diags) != count:
+        raise Unsupported(_refusal(kind, "its reads by q_idx - kv_idx take another form when "
+                                         "traced along the diagonals"))
+    device, needed = _slice(eqns, diags)
+    # The index: values of the diagonal alone that meet the args, b or h (or are
+    # read as they are). Positions alone, so known now; the values read are constant
+    # where none of them changes.
+    fixed = lambda v: dep.get(v, 0) & _D and not dep[v] & ~(_D | _DEVICE)  # noqa: E731
+    static = [v for v in needed if fixed(v) and (v in diags or any(
+        v in e.ins and not fixed(e.outs[0]) for e in device))]
+    q_idx = np.arange(n, dtype=np.int32).reshape(1, 1, n, 1)
+    kv_idx = np.full((1, 1, 1, 1), s_kv - 1, np.int32)
+    with jax.ensure_compile_time_eval():
+        env = _evaluate(kind, inputs, consts, _slice(eqns, static)[0],
+                        [np.zeros(s.shape, s.dtype) for s in arg_specs], (q_idx, kv_idx))
+        index = [np.asarray(env[v]) for v in static]
+    if any(x.ndim < 3 or x.shape[2] != n for x in index):
+        raise Unsupported(_refusal(kind, "its index by q_idx - kv_idx leaves the layout "
+                                         "[B|1, H|1, s_q, s_kv]"))
+    index = [np.moveaxis(x, 2, 0) for x in index]
+    runs = Runs.of(index, s_q, s_kv)
+    if runs.count > MAX_RUNS:
+        raise Unsupported(_refusal(kind, _REASONS["runs"].format(runs=runs.count)))
+    return (inputs, consts, device, diags, (q_idx, kv_idx)), runs
 
 
 def reason(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
@@ -193,6 +270,11 @@ def _both(d: int) -> str:
     return "the score" if d & _S else "both q_idx and kv_idx"
 
 
+def _both_positions(d: int) -> bool:
+    """Whether a value depends on q_idx and kv_idx otherwise than by their difference."""
+    return (d & (_Q | _KV)) == _Q | _KV or bool(d & _D and d & (_Q | _KV))
+
+
 def _program(fn, kind, arg_specs, batch, heads, s_q, s_kv):
     """(flat equations, inputs, consts, output, dependence bits per variable)."""
     specs = index_specs(batch, heads, s_q, s_kv)
@@ -209,12 +291,59 @@ def _program(fn, kind, arg_specs, batch, heads, s_q, s_kv):
     dep = {v: (_ARG if np.size(c) > 1 else 0) for v, c in consts.items()}
     n_index = len(kind.index_bits)
     dep.update(zip(inputs, list(kind.index_bits) + [_ARG] * (len(inputs) - n_index)))
+    # the positions themselves (through reshapes and exact casts): their difference is _D
+    same = {inputs[n_index - 2]: _Q, inputs[n_index - 1]: _KV} if kind.floats else {}
+    dims = (batch, heads, s_q, s_kv)
     for e in eqns:
         d = 0 if _in_kernel(e) else _DEVICE
         for v in e.ins:
             d |= 0 if isinstance(v, Literal) else dep[v]
+        ins = [None if isinstance(v, Literal) else same.get(v) for v in e.ins]
+        if ins[:1] != [None] and (e.prim.name in _SHAPE_ONLY or e.prim.name ==
+                                  "convert_element_type" and e.outs[0].aval.dtype in _EXACT):
+            same[e.outs[0]] = ins[0]
+        elif e.prim.name == "sub" and sorted(x or 0 for x in ins) == [_Q, _KV]:
+            d = _D
+        elif d & _D and not _pointwise(e, dims):
+            d |= _Q | _KV   # (no longer a function of the difference alone)
         dep.update((o, d) for o in e.outs)
     return eqns, inputs, consts, out, dep
+
+
+def _pointwise(e: Eqn, dims) -> bool:
+    """Whether each output element at index position (b, h, q, kv) comes from the
+    inputs' elements at that position alone (what keeps a value of q_idx - kv_idx one)."""
+    name = e.prim.name
+    if name in _SHAPE_ONLY:   # (jnp indexing adds a trailing axis to its index arrays)
+        src, dst = e.ins[0].aval.shape, e.outs[0].aval.shape
+        if name == "broadcast_in_dim":
+            return len(src) == 0 or len(src) >= 4 and \
+                tuple(e.params["broadcast_dimensions"][:4]) == (0, 1, 2, 3)
+        return (len(src) >= 4 and src[:4] == dst[:4]) or _keeps_layout(e, dims)
+    if name == "concatenate":   # jnp indexing stacks index arrays along a new last axis
+        return e.params["dimension"] >= 4
+    if name == "gather":        # a read at each position's own index
+        return e.outs[0].aval.shape[:4] == e.ins[1].aval.shape[:4]
+    return name in _ELEMENTWISE or name in _DEVICE_POINTWISE
+
+
+def _evaluate(kind, inputs, consts, device, args, positions=None):
+    """The environment after `device`'s equations, the index inputs as iotas (or
+    `positions`: the q_idx and kv_idx values) and the args given."""
+    n_index = len(kind.index_bits)
+    env = dict(consts)
+    for axis, v in enumerate(inputs[n_index - 4:n_index]):
+        env[v] = jax.lax.broadcasted_iota(v.aval.dtype, v.aval.shape, axis)
+    if positions is not None:
+        env.update(zip(inputs[n_index - 2:n_index], positions))
+    env.update(zip(inputs[n_index:], (jnp.asarray(a, v.aval.dtype)
+                                      for a, v in zip(args, inputs[n_index:]))))
+    for e in device:
+        params = e.prim.get_bind_params(e.params)
+        sub, params = params if isinstance(params, tuple) else ((), params)  # older JAX
+        outs = e.prim.bind(*sub, *[_read(env, v) for v in e.ins], **params)
+        env.update(zip(e.outs, outs if e.prim.multiple_results else [outs]))
+    return env
 
 
 def _read(env, v, wide=False):
@@ -277,13 +406,16 @@ def _split(eqns, out, hoisted, everything):
 
 
 def _side(kind, v, d, batch, heads, s_q, s_kv) -> Optional[int]:
-    """2: a per-row value (also one of neither q nor kv), 3: per-column, None: neither shape."""
+    """2: a per-row value (also one of neither q nor kv), 3: per-column, 4: one of
+    q_idx - kv_idx, None: neither shape."""
     shape = v.aval.shape
     if len(shape) == 0:
         return 2
     if len(shape) != 4 or shape[0] not in (1, batch) or \
             shape[1] not in ((1, heads) if kind.heads else (1,)):
         return None
+    if d & _D:
+        return 4 if shape[2] in (1, s_q) and shape[3] in (1, s_kv) else None
     if d & _KV:
         return 3 if shape[2] == 1 and shape[3] in (1, s_kv) else None
     if d & _Q:

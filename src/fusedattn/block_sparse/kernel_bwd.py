@@ -23,15 +23,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
-from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
-                           col_vector, cols_of, copy_side, counts, dense_tile, load_words, logits,
-                           matmul_acc, matmul_acc2, matmul_t2, rendezvous, row_vector, rows_of,
-                           smem_tiled, tile_fns, value_scratch)
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Diagonal, Lists,
+                           bh_index as _bh, col_vector, cols_of, copy_side, counts, dense_tile,
+                           diagonal_scratch, diagonal_words, load_words, logits, matmul_acc,
+                           matmul_acc2, matmul_t2, rendezvous, row_vector, rows_of, smem_tiled,
+                           tile_fns, value_scratch)
 
 HALF = BLOCK // 2
 
 
-def _unpack(refs, n_qa, n_ka, has_dense, n_sq, n_skv):
+def _unpack(refs, n_qa, n_ka, has_dense, n_sq, n_skv, n_sd):
     head, refs = refs[:5], list(refs[5:])
     lists, refs = refs[:4], refs[4:]
     qa = refs.pop(0) if n_qa else None
@@ -39,7 +40,8 @@ def _unpack(refs, n_qa, n_ka, has_dense, n_sq, n_skv):
     dense = refs.pop(0) if has_dense else None
     sq = refs.pop(0) if n_sq else None
     skv = refs.pop(0) if n_skv else None
-    return head, lists, (qa, ka, dense, sq, skv), refs
+    sd = refs.pop(0) if n_sd else None
+    return head, lists, (qa, ka, dense, sq, skv, sd), refs
 
 
 def _row_sums(accs, tiles, floats):
@@ -57,19 +59,23 @@ def _run(body, out_type, scratch, grid, args, interpret):
 
 
 def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
-       score_values=(None, None), interpret=None):
-    """dq [B, S, H, D] in q's dtype, and with a score's float q values their gradient
-    [B, H, n, S] f32 (zeros for non-float values); `lists` are the query-major ones
-    of the map. Each step takes half a key block."""
+       score_values=(None, None, None), interpret=None):
+    """dq [B, S, H, D] in q's dtype; with a score's float q values their gradient
+    [B, H, n, S] f32 (zeros for non-float values), else None; with float diagonal values
+    theirs [B, H, l, K], else None. `lists` are the query-major ones of the map. Each
+    step takes half a key block."""
     B, S, H, D = q.shape
     group = H // k.shape[2]
     dt = q.dtype
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
-    sq, skv = score_values
-    n_qa, n_ka, n_sq, n_skv = counts(kmask, score_values)
+    sq, skv, sd = score_values
+    n_qa, n_ka, n_sq, n_skv, n_sd = counts(kmask, score_values)
     q_floats = score.q_floats if n_sq else ()
     d_values = any(q_floats)
+    d_floats = score.d_floats if n_sd else ()
+    d_diag = any(d_floats)
+    runs = sd.shape[3] if n_sd else 0
     hw = interpret is None
     # Half a key block a step: at whole blocks a score_mod's tiles (positions, its
     # derivative, its values' gradients) spill registers; plain masks run alike at both.
@@ -79,16 +85,20 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
     def body(*refs):
         (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, arrays, refs = \
-            _unpack(refs, n_qa, n_ka, dense is not None, n_sq, n_skv)
-        qa_ref, ka_ref, d_ref, sq_ref, skv_ref = arrays
+            _unpack(refs, n_qa, n_ka, dense is not None, n_sq, n_skv, n_sd)
+        qa_ref, ka_ref, d_ref, sq_ref, skv_ref, sd_ref = arrays
         dq_ref, *refs = refs
         dsq_ref = refs.pop(0) if d_values else None
+        dsd_ref = refs.pop(0) if d_diag else None
         q_smem, do_smem, ld_smem, k_smem, v_smem, *refs = refs
         qa_smem = refs.pop(0) if n_qa else None
         ka_smem = refs.pop(0) if n_ka else None
         d_smem = refs.pop(0) if dense is not None else None
         sq_smem = refs.pop(0) if n_sq else None
         skv_smem = refs.pop(0) if n_skv else None
+        dsd_smem = refs.pop(0) if d_diag else None
+        if n_sd:   # (last in the scratch)
+            *refs, sd_smem, sd_ready = refs
         in_ready, k_ready, v_ready, ka_ready, free, d_ready, skv_ready = refs
 
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
@@ -122,6 +132,10 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             delta = row_vector(ld_smem.at[wg, 1], interpret)
             q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
             q_words = [row_vector(sq_smem.at[wg, r], interpret) for r in range(n_sq)]
+            diag = Diagonal.load(sd_ref, sd_smem, sd_ready, b, h, wg, score.runs,
+                                     interpret) if n_sd else None
+            if d_diag:   # the diagonal values' gradient sums, a row of each run
+                diag.clear(dsd_smem.at[wg])
 
             def step(s_i, carry):
                 acc, d_sq = carry
@@ -137,19 +151,22 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 s, dp = matmul_t2(qw, k_smem.at[slot], dow, v_smem.at[slot], shape, interpret)
                 words = None if dense is None else lambda: dense_tile(
                     d_smem, d_ready, slot, wg, 1, shape, interpret)
+                diag_at = diag and (diag, diag.span(q0, k0, shape, 0))
                 q_pos, kv_pos, visible, values = tile_fns(
                     kmask, shape, 0, b, h, q0, k0, slot, "q", (q_vals, ka_smem),
-                    (q_words, skv_smem), words, interpret)
+                    (q_words, skv_smem, diag_at), words, interpret)
 
                 s, pull = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                  values=values, partial=partial, visible=visible,
-                                 with_grad=True, sides=("q",))
+                                 with_grad=True, sides=("q", "d"))
                 p = jnp.exp2(s - rows_of(lse, shape))
                 ds = p * (dp - rows_of(delta, shape))
                 if pull is not None:
-                    ds, g_rows, _ = pull(ds)
+                    ds, g_rows, _, g_diag = pull(ds)
                     if d_values:
                         d_sq = _row_sums(d_sq, g_rows, q_floats)
+                    if d_diag:
+                        diag.add_row_sums(dsd_smem.at[wg], diag_at[1], g_diag, d_floats)
                 acc = matmul_acc(acc, ds.astype(dt), k_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])
                 return acc, d_sq
@@ -163,6 +180,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             plgpu.copy_smem_to_gmem(qw, dq_ref.at[b, rows, h])
             if d_values:
                 plgpu.copy_smem_to_gmem(sq_smem.at[wg], dsq_ref.at[b, h, :, rows])
+            if d_diag:
+                plgpu.copy_smem_to_gmem(dsd_smem.at[wg], dsd_ref.at[b, h, :, :, rows])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == NWG)
@@ -193,22 +212,30 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                smem_tiled((NSTAGE, width, D), dt), smem_tiled((NSTAGE, width, D), dt)]
     scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, width),
                               (width // WORD, ROWS))
+    if d_diag:
+        scratch.append(plgpu.SMEM((NWG, n_sd, runs, ROWS), F32))
     scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE * NWG), plgpu.Barrier(num_barriers=NSTAGE)]
-    extra = [x for x in (qa, ka, dense, sq, skv) if x is not None]
+    sd = diagonal_words(score, sd) if n_sd else None
+    scratch += diagonal_scratch(sd)
+    extra = [x for x in (qa, ka, dense, sq, skv, sd) if x is not None]
     out = [jax.ShapeDtypeStruct(q.shape, dt)]
     if d_values:
         out.append(jax.ShapeDtypeStruct((B, H, n_sq, S), F32))
-    got = _run(body, tuple(out), scratch, (B, H, S // BLOCK),
-               (q, k, v, do, lse_delta, *lists, *extra), interpret)
-    return got[0], (got[1] if d_values else None)
+    if d_diag:
+        out.append(jax.ShapeDtypeStruct((B, H, n_sd, runs, S), F32))
+    got = list(_run(body, tuple(out), scratch, (B, H, S // BLOCK),
+                    (q, k, v, do, lse_delta, *lists, *extra), interpret))
+    dq_ = got.pop(0)
+    d_q = got.pop(0) if d_values else None
+    return dq_, d_q, (got.pop(0).sum(-1) if d_diag else None)
 
 
 
 def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
-        score_values=(None, None), dv_add=None, interpret=None):
+        score_values=(None, None, None), dv_add=None, interpret=None):
     """(dk, dv) [B, S_kv, H, D] per query head, in k's dtype, and with a score's float
     kv values their gradient [B, H, m, S_kv] f32 (else None); `lists` are the
     key-major ones of the map (q_num_blocks, q_indices, full_q_*). A dense mask term
@@ -220,8 +247,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     dt = q.dtype
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
-    sq, skv = score_values
-    n_qa, n_ka, n_sq, n_skv = counts(kmask, score_values)
+    sq, skv, sd = score_values
+    n_qa, n_ka, n_sq, n_skv, n_sd = counts(kmask, score_values)
     kv_floats = score.kv_floats if n_skv else ()
     d_values = any(kv_floats)
     hw = interpret is None
@@ -229,8 +256,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
     def body(*refs):
         (q_ref, k_ref, v_ref, do_ref, ld_ref), list_refs, arrays, refs = \
-            _unpack(refs, n_qa, n_ka, dense is not None, n_sq, n_skv)
-        qa_ref, ka_ref, d_ref, sq_ref, skv_ref = arrays
+            _unpack(refs, n_qa, n_ka, dense is not None, n_sq, n_skv, n_sd)
+        qa_ref, ka_ref, d_ref, sq_ref, skv_ref, sd_ref = arrays
         add_ref = refs.pop(0) if dv_add is not None else None
         dk_ref, dv_ref, *refs = refs
         dskv_ref = refs.pop(0) if d_values else None
@@ -241,6 +268,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         sq_smem = refs.pop(0) if n_sq else None
         skv_smem = refs.pop(0) if n_skv else None
         add_smem = refs.pop(0) if dv_add is not None else None
+        if n_sd:   # (last in the scratch)
+            *refs, sd_smem, sd_ready = refs
         in_ready, q_ready, do_ready, ld_ready, qa_ready, free, d_ready, sq_ready, sched = refs
 
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
@@ -270,6 +299,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             plgpu.barrier_wait(in_ready.at[wg * 4 + 1])
             kv_vals = [row_vector(ka_smem.at[wg, r], interpret) for r in range(n_ka)]
             kv_words = [row_vector(skv_smem.at[wg, r], interpret) for r in range(n_skv)]
+            diag = Diagonal.load(sd_ref, sd_smem, sd_ready, b, h, wg, score.runs,
+                                     interpret) if n_sd else None
             # The two warpgroups take turns on the tensor cores (as in the forward): one's
             # dS overlaps the other's products (docs/decisions.md).
             sync = lambda: rendezvous(sched)
@@ -292,9 +323,10 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                                     sync if hw else None)
                 words = None if dense is None else lambda: dense_tile(
                     d_smem, d_ready, slot, wg, 0, shape, interpret)
+                diag_at = diag and (diag, diag.span(q0, k0, shape, 1))
                 q_pos, kv_pos, visible, values = tile_fns(
                     kmask, shape, 1, b, h, q0, k0, slot, "kv", (qa_smem, kv_vals),
-                    (sq_smem, kv_words), words, interpret)
+                    (sq_smem, kv_words, diag_at), words, interpret)
 
                 st, pull = logits(st, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                   values=values, partial=partial, visible=visible,
@@ -302,7 +334,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 pt = jnp.exp2(st - cols_of(col_vector(ld_smem.at[slot, 0], interpret), shape))
                 dst = pt * (dpt - cols_of(col_vector(ld_smem.at[slot, 1], interpret), shape))
                 if pull is not None:
-                    dst, _, g_cols = pull(dst)
+                    dst, _, g_cols, _ = pull(dst)
                     if d_values:
                         d_skv = _row_sums(d_skv, g_cols, kv_floats)
                 dst, pt = dst.astype(dt), pt.astype(dt)
@@ -370,7 +402,9 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
                 plgpu.Barrier(num_barriers=NSTAGE * NWG), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG)]
-    extra = [x for x in (qa, ka, dense, sq, skv, dv_add) if x is not None]
+    sd = diagonal_words(score, sd) if n_sd else None
+    scratch += diagonal_scratch(sd)
+    extra = [x for x in (qa, ka, dense, sq, skv, sd, dv_add) if x is not None]
     out = jax.ShapeDtypeStruct((B, S_kv, H, D), dt)
     outs = (out, out) + ((jax.ShapeDtypeStruct((B, H, n_skv, S_kv), F32),) if d_values else ())
     got = _run(body, outs, scratch, (B, H, S_kv // BLOCK),

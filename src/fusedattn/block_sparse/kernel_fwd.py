@@ -23,17 +23,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_mask import KernelMask
-from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
-                           col_vector, cols_of, copy_side, counts, dense_tile, drain, logits,
-                           matmul_acc, matmul_t, load_words, persistent_programs, rendezvous,
-                           row_vector, rows_of, smem_tiled, tile_fns, value_scratch)
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Diagonal, Items, Lists,
+                           bh_index as _bh, col_vector, cols_of, copy_side, counts, dense_tile,
+                           diagonal_scratch, diagonal_words, drain, logits, matmul_acc, matmul_t,
+                           load_words, persistent_programs, rendezvous, row_vector, rows_of,
+                           smem_tiled, tile_fns, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
-            score_values=(None, None), fill=None, interpret=None):
+            score_values=(None, None, None), fill=None, interpret=None):
     """q [B, S, H, D], k/v [B, S_kv, H_kv, D]; `lists` = (kv_num_blocks, kv_indices,
     full_kv_num_blocks, full_kv_indices) of a 128x128 map; `score` a
-    `kernel_score.ScoreFn` or None, `score_values` its (q, kv) value words or None;
+    `kernel_score.ScoreFn` or None, `score_values` its (q, kv, diagonal) value words or
+    None;
     `fill` f32 [B, H, D]: the output of rows with no visible key (None: 0).
     -> (out, lse2 [B, H, S])."""
     B, S, H, D = q.shape
@@ -43,9 +45,10 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
     n_tiles = S // BLOCK
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
     qa, ka, dense = kmask.q_arrays, kmask.kv_arrays, kmask.dense
-    sq, skv = score_values
-    n_qa, n_ka, n_sq, n_skv = counts(kmask, score_values)
-    extra = [x for x in (qa, ka, dense, sq, skv, fill) if x is not None]
+    sq, skv, sd = score_values
+    n_qa, n_ka, n_sq, n_skv, n_sd = counts(kmask, score_values)
+    sd = diagonal_words(score, sd) if n_sd else None
+    extra = [x for x in (qa, ka, dense, sq, skv, sd, fill) if x is not None]
     hw = interpret is None
     # Arrays beside K (a dense mask's words too): K's slot is freed after the mask.
     per_block = n_ka or n_skv or dense is not None
@@ -61,6 +64,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
         d_ref = refs.pop(0) if dense is not None else None
         sq_ref = refs.pop(0) if n_sq else None
         skv_ref = refs.pop(0) if n_skv else None
+        sd_ref = refs.pop(0) if n_sd else None
         f_ref = refs.pop(0) if fill is not None else None
         o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, *refs = refs
         qa_smem = refs.pop(0) if n_qa else None
@@ -69,6 +73,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
         sq_smem = refs.pop(0) if n_sq else None
         skv_smem = refs.pop(0) if n_skv else None
         f_smem, f_ready = (refs.pop(0), refs.pop(0)) if fill is not None else (None, None)
+        if n_sd:   # (last in the scratch)
+            *refs, sd_smem, sd_ready = refs
         (q_ready, k_ready, v_ready, k_free, v_free, sched, a_ready, ka_ready, d_ready,
          s_ready, skv_ready, q_free) = refs
 
@@ -96,6 +102,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     plgpu.copy_gmem_to_smem(f_ref.at[b, h], f_smem.at[wg], f_ready.at[wg])
                 copy_side(b, h, pl.ds(q0, ROWS), n_qa and (qa_ref, qa_smem.at[wg], a_ready.at[wg]),
                           n_sq and (sq_ref, sq_smem.at[wg], s_ready.at[wg]))
+                diag = n_sd and Diagonal.load(sd_ref, sd_smem, sd_ready, b, h, wg,
+                                              score.runs, interpret)
                 if n_qa:
                     plgpu.barrier_wait(a_ready.at[wg])
                 if n_sq:
@@ -121,9 +129,10 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                         plgpu.barrier_arrive(k_free.at[slot])
                     words = None if dense is None else lambda: dense_tile(
                         d_smem, d_ready, slot, wg, 1, shape, interpret)
+                    diag_at = diag and (diag, diag.span(q0, j * BLOCK, shape, 0))
                     q_pos, kv_pos, visible, values = tile_fns(
                         kmask, shape, 0, b, h, q0, j * BLOCK, slot, "q", (q_vals, ka_smem),
-                        (q_words, skv_smem), words, interpret)
+                        (q_words, skv_smem, diag_at), words, interpret)
 
                     s, _ = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                   values=values, partial=partial, visible=visible)
@@ -220,6 +229,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                 plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE * NWG),
                 plgpu.Barrier(num_barriers=NWG), plgpu.Barrier(num_barriers=NSTAGE),
                 plgpu.Barrier(num_arrivals=NWG, num_barriers=2)]
+    scratch += diagonal_scratch(sd)
     kw = {} if interpret is None else {"interpret": interpret}
     return plgpu.kernel(
         body,

@@ -36,6 +36,14 @@ def _side(arrays, b, h, start, axis, tile=False):
     return [jnp.broadcast_to(x, (BLOCK, BLOCK)) for x in vecs] if tile else vecs
 
 
+def _diagonal(score, words, b, h, d):
+    """A score's values by q_idx - kv_idx at the diagonals `d`, as tiles."""
+    if words is None:
+        return []
+    return list(jnp.broadcast_to(score.runs.tile(words[side_index(words, b, h)], d),
+                                 (words.shape[2], BLOCK, BLOCK)))
+
+
 def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial):
     """Base-2 logits of one (query block, key block) pair, -inf where masked, and the
     score's pullback (`kernel_score.apply`; None without a score)."""
@@ -44,8 +52,9 @@ def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial):
     s = jnp.dot(qt, kt.T, preferred_element_type=F32) * scale
     pull = None
     if score is not None:
-        tiles = (_side(values[0], b, h, q0, 0, tile=True), _side(values[1], b, h, k0, 1, tile=True))
-        s, pull = apply(score, s, b, h, q, kv, *tiles, with_grad=True)
+        tiles = (_side(values[0], b, h, q0, 0, tile=True), _side(values[1], b, h, k0, 1, tile=True),
+                 _diagonal(score, values[2], b, h, q - kv))
+        s, pull = apply(score, s, b, h, q, kv, tiles, with_grad=True)
     qv, kvv = _side(kmask.q_arrays, b, h, q0, 0), _side(kmask.kv_arrays, b, h, k0, 1)
     dense = None
     if kmask.dense is not None:
@@ -62,7 +71,7 @@ def _grid(fn, B, H, T):
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale, score=None,
-            score_values=(None, None), fill=None):
+            score_values=(None, None, None), fill=None):
     B, S, H, D = q.shape
     group = H // k.shape[2]
 
@@ -101,31 +110,36 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale, score=None,
 
 def _probs(qt, kt, dot, vt, lse, delta, **kw):
     """(P, dS, the score's float q values' gradients summed over keys, its float kv
-    values' summed over queries)."""
+    values' summed over queries, its float diagonal values' summed per run)."""
     s, pull = _logits(qt, kt, **kw)
     p = jnp.exp2(s - lse[:, None])
     dp = jnp.dot(dot, vt.T, preferred_element_type=F32)
     ds = p * (dp - delta[:, None])
     if pull is None:
-        return p, ds, [], []
-    ds, g_q, g_kv = pull(ds)
-    return p, ds, [g.sum(1) for g in g_q], [g.sum(0) for g in g_kv]
+        return p, ds, [], [], []
+    ds, g_q, g_kv, g_d = pull(ds)
+    d = kw["q0"] - kw["k0"] + jnp.arange(BLOCK)[:, None] - jnp.arange(BLOCK)[None, :]
+    return (p, ds, [g.sum(1) for g in g_q], [g.sum(0) for g in g_kv],
+            [kw["score"].runs.sums(g, d) for g in g_d])
 
 
-def _scatter(floats, grads, n):
-    """Per-slot gradients [n, BLOCK] (zeros where a value is not a float)."""
+def _scatter(floats, grads, n, width=BLOCK):
+    """Per-slot gradients [n, width] (zeros where a value is not a float)."""
     grads = iter(grads)
-    return jnp.stack([next(grads) if yes else jnp.zeros((BLOCK,), F32) for yes in floats]) \
-        if floats else jnp.zeros((n, BLOCK), F32)
+    return jnp.stack([next(grads) if yes else jnp.zeros((width,), F32) for yes in floats]) \
+        if floats else jnp.zeros((n, width), F32)
 
 
 def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
-       score_values=(None, None)):
-    """(dq, the float q values' gradient [B, H, n, S] or None), like the kernel."""
+       score_values=(None, None, None)):
+    """(dq, the float q values' gradient [B, H, n, S] or None, the float diagonal
+    values' [B, H, l, K] or None), like the kernel."""
     B, S, H, D = q.shape
     group = H // k.shape[2]
-    sq = score_values[0]
+    sq, _, sd = score_values
     floats = score.q_floats if sq is not None else ()
+    d_floats = score.d_floats if sd is not None else ()
+    runs = sd.shape[-1] if sd is not None else 0
 
     def tile(b, h, t):
         n, entry = _walk(lists, b, h, t)
@@ -135,27 +149,30 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         lse, delta = rows(lse_delta[b, h, 0]), rows(lse_delta[b, h, 1])
 
         def step(i, carry):
-            acc, dv = carry
+            acc, dv, dd = carry
             j, partial = entry(i)
             kt = lax.dynamic_slice_in_dim(k[b, :, h // group], j * BLOCK, BLOCK)
             vt = lax.dynamic_slice_in_dim(v[b, :, h // group], j * BLOCK, BLOCK)
-            _, ds, g_q, _ = _probs(qt, kt, dot, vt, lse, delta, kmask=kmask, scale=scale,
-                                   score=score, values=score_values, b=b, h=h, q0=q0,
-                                   k0=j * BLOCK, partial=partial)
+            _, ds, g_q, _, g_d = _probs(qt, kt, dot, vt, lse, delta, kmask=kmask, scale=scale,
+                                        score=score, values=score_values, b=b, h=h, q0=q0,
+                                        k0=j * BLOCK, partial=partial)
             acc = acc + jnp.dot(ds.astype(q.dtype), kt, preferred_element_type=F32)
-            return acc, dv + _scatter(floats, g_q, len(floats))
+            return (acc, dv + _scatter(floats, g_q, len(floats)),
+                    dd + _scatter(d_floats, g_d, len(d_floats), runs))
 
-        init = (jnp.zeros((BLOCK, D), F32), jnp.zeros((len(floats), BLOCK), F32))
-        acc, dv = lax.fori_loop(0, n, step, init)
-        return (acc * scale).astype(q.dtype), dv
+        init = (jnp.zeros((BLOCK, D), F32), jnp.zeros((len(floats), BLOCK), F32),
+                jnp.zeros((len(d_floats), runs), F32))
+        acc, dv, dd = lax.fori_loop(0, n, step, init)
+        return (acc * scale).astype(q.dtype), dv, dd
 
-    dq_, dv = _grid(tile, B, H, S // BLOCK)
+    dq_, dv, dd = _grid(tile, B, H, S // BLOCK)
     dv = dv.transpose(0, 1, 3, 2, 4).reshape(B, H, len(floats), S) if any(floats) else None
-    return dq_.reshape(B, H, S, D).transpose(0, 2, 1, 3), dv
+    dd = dd.sum(2) if any(d_floats) else None
+    return dq_.reshape(B, H, S, D).transpose(0, 2, 1, 3), dv, dd
 
 
 def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
-        score_values=(None, None), dv_add=None):
+        score_values=(None, None, None), dv_add=None):
     """(dk, dv, the float kv values' gradient [B, H, m, S_kv] or None) per query head,
     like the kernel; `kmask` is the forward's (not transposed)."""
     B, S, H, D = q.shape
@@ -175,7 +192,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             j, partial = entry(i)
             rows = lambda x: lax.dynamic_slice_in_dim(x, j * BLOCK, BLOCK)
             qt, dot = rows(q[b, :, h]), rows(do[b, :, h])
-            p, ds, _, g_kv = _probs(qt, kt, dot, vt, rows(lse_delta[b, h, 0]),
+            p, ds, _, g_kv, _ = _probs(qt, kt, dot, vt, rows(lse_delta[b, h, 0]),
                                     rows(lse_delta[b, h, 1]), kmask=kmask, scale=scale,
                                     score=score, values=score_values, b=b, h=h,
                                     q0=j * BLOCK, k0=k0, partial=partial)
