@@ -1,10 +1,11 @@
 """score_mods that read arrays, in the block-sparse kernels' form (`kernel_score`):
 values read per row, per column, per (batch, head) or per run of diagonals (a T5
-table by q_idx - kv_idx) are hoisted, the tiles run the rest, and the backward returns the float values' gradients, which reach the args.
-On CPU `block_sparse.reference` runs the same split and pullback as the kernels;
-each case is checked against the float64 oracle for the output, lse, dq, dk, dv
-and every float arg's gradient, under GQA, a sparse mask and a length that is not
-a multiple of the block."""
+table by q_idx - kv_idx) are hoisted, the tiles run the rest, and the backward
+returns the float values' gradients, which reach the args. On CPU
+`block_sparse.reference` runs the same split and pullback as the kernels; each case
+is checked against the float64 oracle for the output, lse, dq, dk, dv and every
+float arg's gradient, under GQA, a sparse mask and a length that is not a multiple of
+the block."""
 from __future__ import annotations
 
 import jax
@@ -115,7 +116,8 @@ def test_diagonal_reads_take_one_value_per_run(bidirectional):
     x = jax.random.normal(jax.random.key(4), (s_q, s_kv))
     for h in range(H):
         tiles = [runs.tile(words[0, h, 0], q_idx - kv_idx)]
-        np.testing.assert_array_equal(np.asarray(split(x, 0, h, q_idx, kv_idx, [], [], diags=tiles)),
+        got = split(x, 0, h, q_idx, kv_idx, [], [], diags=tiles)
+        np.testing.assert_array_equal(np.asarray(got),
                                       np.asarray(mod(x, 0, h, q_idx, kv_idx, table)))
 
 

@@ -22,12 +22,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .kernel_diagonal import Diagonal, diagonal_scratch, diagonal_words
 from .kernel_mask import KernelMask
-from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Diagonal, Lists,
-                           bh_index as _bh, col_vector, cols_of, copy_side, counts, dense_tile,
-                           diagonal_scratch, diagonal_words, load_words, logits, matmul_acc,
-                           matmul_acc2, matmul_t2, rendezvous, row_vector, rows_of, smem_tiled,
-                           tile_fns, value_scratch)
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
+                           col_vector, cols_of, copy_side, counts, dense_tile, load_words, logits,
+                           matmul_acc, matmul_acc2, matmul_t2, rendezvous, row_vector, rows_of,
+                           smem_tiled, tile_fns, value_scratch)
 
 HALF = BLOCK // 2
 

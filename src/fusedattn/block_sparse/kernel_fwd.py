@@ -22,12 +22,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from .kernel_diagonal import Diagonal, diagonal_scratch, diagonal_words
 from .kernel_mask import KernelMask
-from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Diagonal, Items, Lists,
-                           bh_index as _bh, col_vector, cols_of, copy_side, counts, dense_tile,
-                           diagonal_scratch, diagonal_words, drain, logits, matmul_acc, matmul_t,
-                           load_words, persistent_programs, rendezvous, row_vector, rows_of,
-                           smem_tiled, tile_fns, value_scratch)
+from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
+                           col_vector, cols_of, copy_side, counts, dense_tile, drain, logits,
+                           matmul_acc, matmul_t, load_words, persistent_programs, rendezvous,
+                           row_vector, rows_of, smem_tiled, tile_fns, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,

@@ -12,7 +12,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -120,143 +119,6 @@ def counts(kmask, score_values):
         (score_values[2], 2)))
 
 
-def diagonal_words(score, words):
-    """A score's values by q_idx - kv_idx as one int32 array ``[B|1, H|1, l + 1, P]``:
-    rows ``0..l-1`` the value words of each run (`diagonal.Runs`; float32 bits), row l
-    the runs' first diagonals ``lo``. P pads ``K + 1`` to 32 words, so each
-    warpgroup's SMEM copy starts 128-byte aligned (TMA). A kernel copies one (b, h)'s
-    rows into SMEM (`Diagonal`)."""
-    runs = score.runs
-    width = -(-(runs.count + 1) // 32) * 32
-    bits = jax.lax.bitcast_convert_type(words, jnp.int32)
-    bits = jnp.pad(bits, ((0, 0), (0, 0), (0, 0), (0, width - runs.count)))
-    lo = np.full(width, runs.lo[-1], np.int32)
-    lo[:runs.count + 1] = runs.lo
-    lo = jnp.broadcast_to(jnp.asarray(lo), bits.shape[:2] + (1, width))
-    return jnp.concatenate([bits, lo], axis=2)
-
-
-def diagonal_scratch(words):
-    """SMEM for each warpgroup's copy of one (b, h)'s `diagonal_words` (None: no such
-    values), and its barriers: the last of a kernel's scratch."""
-    if words is None:
-        return []
-    return [plgpu.SMEM((NWG,) + words.shape[2:], jnp.int32), plgpu.Barrier(num_barriers=NWG)]
-
-
-class Diagonal:
-    """A score's values by q_idx - kv_idx inside a kernel, from one (b, h)'s rows of
-    `diagonal_words` in SMEM (`smem` ``[l + 1, P]``) and the runs' first diagonals
-    known when tracing (`lo`). A tile far from the main diagonal lies in one run: its
-    values are that run's words, one SMEM read each. A tile nearer crosses runs: its
-    values start as the first run's and take each later one's past its first
-    diagonal (a branch of its own, so the far tiles hold no extra tiles in registers)."""
-
-    def __init__(self, smem, lo: np.ndarray, interpret):
-        self.smem, self.lo, self.interpret = smem, lo, interpret
-        self.count = smem.shape[0] - 1
-
-    @classmethod
-    def load(cls, words_ref, smem, ready, b, h, wg, runs, interpret) -> "Diagonal":
-        """Warpgroup `wg`'s: its (b, h)'s rows of `diagonal_words` copied to its SMEM
-        (`diagonal_scratch`)."""
-        plgpu.copy_gmem_to_smem(words_ref.at[bh_index(words_ref, b, h)], smem.at[wg],
-                                ready.at[wg])
-        plgpu.barrier_wait(ready.at[wg])
-        return cls(smem.at[wg], runs.lo, interpret)
-
-    def span(self, q0, k0, shape, q_axis):
-        """A tile's (q0, k0, shape, q_axis, the first run its diagonals cross, the last)."""
-        d_min = q0 - k0 - (shape[1 - q_axis] - 1)
-        d_max = q0 - k0 + shape[q_axis] - 1
-
-        def run(x):   # the run of diagonal x: how many later runs start at or before it
-            n = jnp.int32(0)
-            for lo in self.lo[1:-1]:
-                n = n + (x >= int(lo)).astype(jnp.int32)
-            return n
-        return q0, k0, shape, q_axis, run(d_min), run(d_max)
-
-    def _lo(self, k):
-        return self.smem[self.count, k]
-
-    def _tile(self, x):
-        """`x` in the wgmma tile layout (both branches of a cond must give the same)."""
-        return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
-
-    def _past(self, span):
-        """``past(lo)``: the tile's pairs with ``q - kv >= lo``, compared from a row
-        and a column vector of positions (no tile of diagonals held in registers)."""
-        q0, k0, shape, q_axis = span[:4]
-
-        def positions(axis, start):
-            x = start + lax.broadcasted_iota(jnp.int32, (shape[axis],), 0)
-            return x if self.interpret else plgpu.layout_cast(
-                x, plgpu.Layout.WGMMA.reduce(1 - axis))
-        q, kv = positions(q_axis, q0), positions(1 - q_axis, k0)
-        kv = broadcast_along(kv, 1 - q_axis, shape)
-        return lambda lo: broadcast_along(q - lo, q_axis, shape) >= kv
-
-    def tiles(self, span):
-        """Each value's tile of float32 words."""
-        shape, first, last = span[2], span[4], span[5]
-
-        def far():
-            return [self._tile(jnp.full(shape, self.smem[i, first], jnp.int32))
-                    for i in range(self.count)]
-
-        def near():
-            past = self._past(span)
-
-            def one(i):
-                def cross(k, x):
-                    return jnp.where(past(self._lo(k)), self.smem[i, k], x)
-                start = jnp.full(shape, self.smem[i, first], jnp.int32)
-                return self._tile(lax.fori_loop(first + 1, last + 1, cross, start))
-            return [one(i) for i in range(self.count)]
-        return [lax.bitcast_convert_type(x, F32) for x in lax.cond(first == last, far, near)]
-
-    def add_row_sums(self, acc, span, grads, floats):
-        """Add each float value's gradient tile, summed along the rows over each run's
-        pairs, to its rows of `acc` (SMEM ``[l, K, rows]``). Near the diagonal: sums
-        from each crossed run's first diagonal on, differenced (one masked sum per
-        run boundary crossed)."""
-        first, last = span[4], span[5]
-        grads = iter(grads)
-        for i, yes in enumerate(floats):
-            if not yes:
-                continue
-            g = next(grads)
-            total = g.sum(axis=1)
-            add = lambda ref, x: ref.__setitem__(  # noqa: E731
-                Ellipsis, row_vector(ref, self.interpret) + x)
-            pl.when(first == last)(lambda i=i, total=total: add(acc.at[i, first], total))
-
-            @pl.when(first != last)
-            def _near(i=i, g=g, total=total):
-                past = self._past(span)
-
-                def later(n, after):   # runs last, last - 1, ..., first + 1
-                    k = last - n
-                    since = jnp.where(past(self._lo(k)), g, 0.0).sum(axis=1)
-                    add(acc.at[i, k], since - after)
-                    return since
-                after = lax.fori_loop(0, last - first, later, jnp.zeros_like(total))
-                add(acc.at[i, first], total - after)
-
-    def clear(self, acc):
-        """Zero `acc` (SMEM ``[l, K, rows]``) in the rows' own layout: each thread then
-        reads back what it wrote, with no barrier."""
-        zero = jnp.zeros(acc.shape[2:], F32)
-        if not self.interpret:
-            zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA.reduce(1))
-
-        def one(k, _):
-            for i in range(acc.shape[0]):
-                acc.at[i, k][...] = zero
-        lax.fori_loop(0, acc.shape[1], one, None)
-
-
 def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_words):
     """SMEM for the mask arrays, a dense mask tile's words (`dense_words`: (words,
     queries) per stage and warpgroup, loaded by the TMA warpgroup with the stage's
@@ -304,7 +166,7 @@ def tile_fns(kmask, shape, q_axis, b, h, q0, k0, slot, held, mask_vals, score_va
                         tiles(mask_vals[1], "kv"), None if dense is None else dense())
 
     def values():
-        diag = score_vals[2] if len(score_vals) > 2 else None
+        diag = score_vals[2]   # (a `kernel_diagonal.Diagonal`, its span) or None
         return (tiles(score_vals[0], "q"), tiles(score_vals[1], "kv"),
                 diag[0].tiles(diag[1]) if diag else [])
     return q_pos, kv_pos, visible, values
