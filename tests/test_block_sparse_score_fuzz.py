@@ -626,6 +626,9 @@ def _bad_term(rng):
         (lambda e: e["t"][e["h"], jnp.clip(2 * e["q"] - e["kv"], 0, L - 1)] * 0.0, BOTH),
         (lambda e: e["t"][e["h"], jnp.abs(e["q"] - e["kv"]) % L] * e["q"].astype(F32)
          + e["t"][e["h"], (jnp.abs(e["q"] - e["kv"]) + e["kv"]) % L], BOTH),
+        # q - kv shifted by an iota along the rows: no longer a function of q - kv
+        (lambda e: e["t"][e["h"], jnp.clip(e["q"] - e["kv"] + jnp.arange(S_Q)[:, None], 0,
+                                           L - 1)], BOTH),
         (lambda e: e["t"][e["h"], (e["doc"][e["b"], e["q"]] + e["doc"][e["b"], e["kv"]]) % L],
          BOTH),
         (lambda e: e["t"][e["h"], jnp.abs(r(e) - c(e)) % L], BOTH),

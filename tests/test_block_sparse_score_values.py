@@ -18,6 +18,7 @@ from support.block_sparse_cases import (SCORE_VALUE_MODS, dense_visibility, doc_
 from fusedattn import block_sparse as bs
 from fusedattn import score_mods
 from fusedattn.block_sparse import kernel_score
+from fusedattn.block_sparse.kernel_diagonal import Diagonal, diagonal_words
 from fusedattn.block_sparse.attention import (block_sparse_attention,
                                               block_sparse_attention_with_lse)
 from fusedattn.block_sparse.hoisting import Unsupported
@@ -121,6 +122,59 @@ def test_diagonal_reads_take_one_value_per_run(bidirectional):
                                       np.asarray(mod(x, 0, h, q_idx, kv_idx, table)))
 
 
+def test_kernel_tiles_of_diagonal_values_match_the_runs():
+    """`kernel_diagonal.Diagonal` (as the kernels run it, in interpret mode) rebuilds
+    each tile's values run by run: exactly the words at each pair's diagonal, for the
+    forward's, dq's and the key-major dk/dv's tiles, near and far from the diagonal
+    and past the sequences' ends."""
+    s_q, s_kv = 300, 260
+    table = jax.random.normal(jax.random.key(3), (H, 32), jnp.float32)
+    ks = kernel_score.kernel_score(MODS["t5_table"], (table,), B, H, s_q, s_kv)
+    runs, words = ks.fn.runs, ks.d_values
+    packed = diagonal_words(ks.fn, words)
+    for h in range(H):
+        diag = Diagonal(packed[0, h], runs.lo, interpret=True)
+        for shape, q_axis in (((64, 128), 0), ((64, 64), 0), ((64, 64), 1)):
+            rows, cols = (shape[q_axis], shape[1 - q_axis])
+            for q0 in range(0, 320, rows):
+                for k0 in range(0, 320, cols):
+                    got = diag.tiles(diag.span(jnp.int32(q0), jnp.int32(k0), shape, q_axis))[0]
+                    q_idx = q0 + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
+                    kv_idx = k0 + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+                    want = runs.tile(words[0, h, 0], q_idx - kv_idx)
+                    np.testing.assert_array_equal(np.asarray(got).view(np.int32),
+                                                  np.asarray(want).view(np.int32),
+                                                  err_msg=f"{shape} {q_axis} {q0} {k0}")
+
+
+@pytest.mark.parametrize("mask", ["none", "window"])
+def test_t5_tables_both_ways_past_the_diagonal(mask):
+    """Keys after the query (the bidirectional table's other half) visible, at s_q !=
+    s_kv: output, dq, dk, dv and the table's gradient against the float64 oracle."""
+    s_q, s_kv = S, S + 56
+    keys = jax.random.split(jax.random.key(5), 4)
+    q, do = (jax.random.normal(kk, (B, s_q, H, D), jnp.float32) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (B, s_kv, H_KV, D), jnp.float32) for kk in keys[2:])
+    table = jax.random.normal(jax.random.key(6), (H, 32), jnp.float32)
+    mod = MODS["t5_table"]
+    near = None if mask == "none" else (lambda b, h, i, j: jnp.abs(i - j) < 150)
+    bm = bs.block_map(near, 1, 1, s_q, s_kv, block=(128, 128))
+
+    def run(q, k, v, t):
+        return block_sparse_attention(q, k, v, bm, score_mod=mod, score_mod_args=(t,),
+                                      implementation="reference")
+    out, vjp = jax.vjp(run, q, k, v, table)
+    grads = vjp(do)
+    visible = np.broadcast_to(np.asarray(bm.element_mask(
+        jnp.arange(B)[:, None, None, None], jnp.arange(H)[None, :, None, None],
+        jnp.arange(s_q)[None, None, :, None], jnp.arange(s_kv)[None, None, None, :])),
+        (B, H, s_q, s_kv))
+    ref_out, _, ref = oracle(q, k, v, visible, D ** -0.5, mod, do, args=(table,))
+    assert rel_error(out, ref_out) < 1e-4
+    for g, r in zip(grads, ref):
+        assert rel_error(g, r) < 1e-4
+
+
 def test_integer_values_stay_exact():
     """Ids past float32's 24-bit mantissa survive: integers travel bit-cast."""
     big = jnp.full((B, S), 2 ** 26 + 1, jnp.int32).at[:, S // 2:].set(2 ** 26)
@@ -139,6 +193,14 @@ def test_integer_values_stay_exact():
      "depends on both q_idx and kv_idx"),
     # by q_idx - kv_idx, but changing index on every diagonal: more runs than hoisted
     (lambda s, b, h, i, j, t: s + t[h, (i - j) % 8], "runs of diagonals"),
+    # q - kv mixed with something else that varies along the positions: both positions
+    (lambda s, b, h, i, j, t: s + t[h, jnp.clip(i - j + jnp.arange(i.shape[2])[:, None], 0, 7)],
+     "depends on both q_idx and kv_idx"),
+    (lambda s, b, h, i, j, t: s + t[h, jnp.clip(i - j + jnp.asarray(
+        np.arange(S * S).reshape(1, 1, S, S) % 3), 0, 7)], "depends on both q_idx and kv_idx"),
+    (lambda s, b, h, i, j, t: s + t[h, jnp.clip(jnp.take_along_axis(
+        jnp.broadcast_to(i - j, (1, 1, S, S)), jnp.zeros((1, 1, S, S), jnp.int32), axis=3),
+        0, 7)], "depends on both q_idx and kv_idx"),
     (lambda s, b, h, i, j, t: s + t[(s > 0).astype(jnp.int32), 0], "depends on the score"),
 ])
 def test_reads_with_no_in_kernel_form_are_refused(fn, words):

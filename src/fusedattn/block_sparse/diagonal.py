@@ -6,7 +6,7 @@ diagonals share one index. `hoisting` finds such reads, evaluates the index on t
 host (it depends on positions alone) and the read values once per run on the
 device. A kernel then rebuilds a tile's values from the runs its diagonals cross:
 one run for tiles far from the main diagonal, a select per run crossed near it
-(`kernel_parts.Diagonal`). The gradient of a run's value is the sum of the score's
+(`kernel_diagonal.Diagonal`). The gradient of a run's value is the sum of the score's
 gradient over its pairs, accumulated per query row by the dq kernel.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-# Runs a kernel takes: the dq kernel keeps a row of gradient sums per run in SMEM.
+# Runs a kernel takes (times the values read): the dq kernel keeps a row of gradient
+# sums per run and value in SMEM.
 MAX_RUNS = 64
 
 
@@ -49,14 +50,16 @@ class Runs:
             change[1:] |= np.any(x[1:] != x[:-1], axis=1)
         return cls(np.flatnonzero(change), s_q, s_kv)
 
+    def run(self, d):
+        """The run of each diagonal in `d` (any int array; clipped to the sequences)."""
+        return jnp.asarray(self.run_of)[jnp.clip(d + self.offset, 0, len(self.run_of) - 1)]
+
     def tile(self, words, d):
         """The values (``words`` ``[..., K]`` of one (b, h)) at diagonals `d` (any int
         array), by a gather: the form of the jnp reference."""
-        at = jnp.asarray(self.run_of)[jnp.clip(d + self.offset, 0, len(self.run_of) - 1)]
-        return jnp.take(words, at, axis=-1)
+        return jnp.take(words, self.run(d), axis=-1)
 
     def sums(self, grad, d):
         """``[K]``: `grad` (a tile) summed over the pairs of each run (reference form)."""
-        at = jnp.asarray(self.run_of)[jnp.clip(d + self.offset, 0, len(self.run_of) - 1)]
-        at = jnp.broadcast_to(at, grad.shape)
+        at = jnp.broadcast_to(self.run(d), grad.shape)
         return jnp.zeros((self.count,), grad.dtype).at[at.reshape(-1)].add(grad.reshape(-1))

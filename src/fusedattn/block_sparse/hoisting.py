@@ -6,8 +6,9 @@ each array per row (b, q_idx) or per column (b, kv_idx), and a score_mod such as
 `hoist` follows each value's dependence on the score, b, h, q, kv and the arrays
 through the jaxpr (traced with `dependence.index_specs`' shapes) and splits it
 there: the values at the split are computed on the device (`Hoisted.values`) and
-the rest, elementwise, runs on tiles (`Hoisted.__call__`). No hoisted value depends
-on both q and kv, so no ``s_q x s_kv`` array forms.
+the rest, elementwise, runs on tiles (`Hoisted.__call__`). No hoisted value varies
+along both q and kv (those of q - kv are taken once per run of diagonals), so no
+``s_q x s_kv`` array forms.
 
 * A mask_mod's values (`MASK`) are integers per (b, row) or (b, column), read by the
   kernels like segment ids: int32 ``[B|1, s]``.
@@ -78,8 +79,8 @@ _REASONS = {
              "are hoisted)",
     "shape": "an array read gives a value of shape {shape}, not one per row [B|1, {h}, s_q, 1] "
              "or per column [B|1, {h}, 1, s_kv]",
-    "runs": "its reads by q_idx - kv_idx change index at {runs} runs of diagonals (at most "
-            f"{MAX_RUNS} are hoisted)",
+    "runs": "its {values} value(s) read by q_idx - kv_idx change index at {runs} runs of "
+            f"diagonals (at most {MAX_RUNS} values x runs are hoisted)",
 }
 # Index conversions that keep a position exact (up to 2^24 for float32).
 _EXACT = frozenset(np.dtype(t) for t in ("int32", "int64", "uint32", "uint64", "float32",
@@ -87,7 +88,8 @@ _EXACT = frozenset(np.dtype(t) for t in ("int32", "int64", "uint32", "uint64", "
 
 
 class Hoisted:
-    """A function split at its per-row / per-column values (see the module doc)."""
+    """A function split at its per-row / per-column (and per-run-of-diagonals) values
+    (see the module doc)."""
 
     def __init__(self, kind, inputs, consts, device, kernel, sides, out, s_q, s_kv,
                  diagonal=None):
@@ -127,10 +129,10 @@ class Hoisted:
         ``[B|1, H|1, n, K]`` (differentiable in the float args), or None."""
         if self._diagonal is None:
             return None
-        (inputs, consts, device, diags, index), runs = self._diagonal
-        env = _evaluate(self.kind, inputs, consts, device, args, index)
-        n = runs.run_of.shape[0]
-        words = [_word(_flat(env[v], n, 2))[..., runs.starts] for v in diags]
+        (inputs, consts, device, diags, positions), runs = self._diagonal
+        env = _evaluate(self.kind, inputs, consts, device, args, positions)
+        diagonals = runs.run_of.shape[0]
+        words = [_word(_flat(env[v], diagonals, 2))[..., runs.starts] for v in diags]
         lead = tuple(max(w.shape[a] for w in words) for a in (0, 1))
         return jnp.stack([jnp.broadcast_to(w, lead + w.shape[2:]) for w in words], axis=2)
 
@@ -166,7 +168,8 @@ def hoist(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
     kernel, frontier = _frontier(kind, eqns, inputs, consts, out, dep, dims)
     side = {v: _side(kind, v, dep[v], *dims) for v in frontier}
     rows, cols, diags = ([v for v in frontier if side[v] == k] for k in (2, 3, 4))
-    diagonal = _diagonal(fn, kind, arg_specs, dims, len(diags)) if diags else None
+    diagonal = _diagonal(fn, kind, arg_specs, dims, [v.aval.dtype for v in diags]) \
+        if diags else None
     return Hoisted(kind, inputs, consts, _slice(eqns, rows + cols)[0], kernel,
                    (rows, cols, diags), out, s_q, s_kv, diagonal)
 
@@ -212,17 +215,18 @@ def _frontier(kind, eqns, inputs, consts, out, dep, dims):
     return kernel, frontier
 
 
-def _diagonal(fn, kind, arg_specs, dims, count):
-    """The reads by ``q_idx - kv_idx`` from a second trace with one row per diagonal
-    and one column: row i, column ``s_kv - 1`` is diagonal ``i - (s_kv - 1)``. Returns
-    ((inputs, consts, device equations, its diagonal values, index values), Runs)."""
+def _diagonal(fn, kind, arg_specs, dims, dtypes):
+    """The reads by ``q_idx - kv_idx`` (of `dtypes`, in order) from a second trace with
+    one row per diagonal and one column: row i, column ``s_kv - 1`` is diagonal
+    ``i - (s_kv - 1)``. Returns ((inputs, consts, device equations, its diagonal values,
+    the positions to evaluate them at), Runs)."""
     batch, heads, s_q, s_kv = dims
     n = s_q + s_kv - 1
     small = (batch, heads, n, 1)
     eqns, inputs, consts, out, dep = _program(fn, kind, arg_specs, *small)
     _, frontier = _frontier(kind, eqns, inputs, consts, out, dep, small)
     diags = [v for v in frontier if _side(kind, v, dep[v], *small) == 4]
-    if len(diags) != count:
+    if [v.aval.dtype for v in diags] != dtypes:
         raise Unsupported(_refusal(kind, "its reads by q_idx - kv_idx take another form when "
                                          "traced along the diagonals"))
     device, needed = _slice(eqns, diags)
@@ -234,17 +238,17 @@ def _diagonal(fn, kind, arg_specs, dims, count):
         v in e.ins and not fixed(e.outs[0]) for e in device))]
     q_idx = np.arange(n, dtype=np.int32).reshape(1, 1, n, 1)
     kv_idx = np.full((1, 1, 1, 1), s_kv - 1, np.int32)
-    with jax.ensure_compile_time_eval():
-        env = _evaluate(kind, inputs, consts, _slice(eqns, static)[0],
-                        [np.zeros(s.shape, s.dtype) for s in arg_specs], (q_idx, kv_idx))
+    with jax.ensure_compile_time_eval():   # (no arg: the index reads none)
+        env = _evaluate(kind, inputs, consts, _slice(eqns, static)[0], (), (q_idx, kv_idx))
         index = [np.asarray(env[v]) for v in static]
     if any(x.ndim < 3 or x.shape[2] != n for x in index):
         raise Unsupported(_refusal(kind, "its index by q_idx - kv_idx leaves the layout "
                                          "[B|1, H|1, s_q, s_kv]"))
     index = [np.moveaxis(x, 2, 0) for x in index]
     runs = Runs.of(index, s_q, s_kv)
-    if runs.count > MAX_RUNS:
-        raise Unsupported(_refusal(kind, _REASONS["runs"].format(runs=runs.count)))
+    if runs.count * len(diags) > MAX_RUNS:
+        raise Unsupported(_refusal(kind, _REASONS["runs"].format(runs=runs.count,
+                                                                 values=len(diags))))
     return (inputs, consts, device, diags, (q_idx, kv_idx)), runs
 
 
@@ -293,6 +297,10 @@ def _program(fn, kind, arg_specs, batch, heads, s_q, s_kv):
     dep.update(zip(inputs, list(kind.index_bits) + [_ARG] * (len(inputs) - n_index)))
     # the positions themselves (through reshapes and exact casts): their difference is _D
     same = {inputs[n_index - 2]: _Q, inputs[n_index - 1]: _KV} if kind.floats else {}
+    # Values that may vary along q or kv with no position bit (iotas, arrays shaped
+    # like the index layout): met by one of q_idx - kv_idx they make one of both.
+    loose = {v for v in list(consts) + list(inputs[n_index:])
+             if len(v.aval.shape) >= 4 and v.aval.shape[2:4] != (1, 1)}
     dims = (batch, heads, s_q, s_kv)
     for e in eqns:
         d = 0 if _in_kernel(e) else _DEVICE
@@ -304,13 +312,16 @@ def _program(fn, kind, arg_specs, batch, heads, s_q, s_kv):
             same[e.outs[0]] = ins[0]
         elif e.prim.name == "sub" and sorted(x or 0 for x in ins) == [_Q, _KV]:
             d = _D
-        elif d & _D and not _pointwise(e, dims):
+        ins_loose = any(not isinstance(v, Literal) and v in loose for v in e.ins)
+        if d & _D and (ins_loose or not _pointwise(e, dep, dims)):
             d |= _Q | _KV   # (no longer a function of the difference alone)
+        if not d & (_D | _Q | _KV) and (e.prim.name == "iota" or ins_loose):
+            loose.update(e.outs)
         dep.update((o, d) for o in e.outs)
     return eqns, inputs, consts, out, dep
 
 
-def _pointwise(e: Eqn, dims) -> bool:
+def _pointwise(e: Eqn, dep, dims) -> bool:
     """Whether each output element at index position (b, h, q, kv) comes from the
     inputs' elements at that position alone (what keeps a value of q_idx - kv_idx one)."""
     name = e.prim.name
@@ -322,8 +333,9 @@ def _pointwise(e: Eqn, dims) -> bool:
         return (len(src) >= 4 and src[:4] == dst[:4]) or _keeps_layout(e, dims)
     if name == "concatenate":   # jnp indexing stacks index arrays along a new last axis
         return e.params["dimension"] >= 4
-    if name == "gather":        # a read at each position's own index
-        return e.outs[0].aval.shape[:4] == e.ins[1].aval.shape[:4]
+    if name == "gather":        # a read at each position's own index, of a table
+        return (e.outs[0].aval.shape[:4] == e.ins[1].aval.shape[:4]
+                and not dep.get(e.ins[0], 0) & (_D | _Q | _KV))
     return name in _ELEMENTWISE or name in _DEVICE_POINTWISE
 
 

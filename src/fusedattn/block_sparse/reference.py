@@ -44,7 +44,7 @@ def _diagonal(score, words, b, h, d):
                                  (words.shape[2], BLOCK, BLOCK)))
 
 
-def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial):
+def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial, sides=()):
     """Base-2 logits of one (query block, key block) pair, -inf where masked, and the
     score's pullback (`kernel_score.apply`; None without a score)."""
     q = q0 + jnp.arange(BLOCK)[:, None]
@@ -54,7 +54,7 @@ def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial):
     if score is not None:
         tiles = (_side(values[0], b, h, q0, 0, tile=True), _side(values[1], b, h, k0, 1, tile=True),
                  _diagonal(score, values[2], b, h, q - kv))
-        s, pull = apply(score, s, b, h, q, kv, tiles, with_grad=True)
+        s, pull = apply(score, s, b, h, q, kv, tiles, with_grad=True, sides=sides)
     qv, kvv = _side(kmask.q_arrays, b, h, q0, 0), _side(kmask.kv_arrays, b, h, k0, 1)
     dense = None
     if kmask.dense is not None:
@@ -155,7 +155,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             vt = lax.dynamic_slice_in_dim(v[b, :, h // group], j * BLOCK, BLOCK)
             _, ds, g_q, _, g_d = _probs(qt, kt, dot, vt, lse, delta, kmask=kmask, scale=scale,
                                         score=score, values=score_values, b=b, h=h, q0=q0,
-                                        k0=j * BLOCK, partial=partial)
+                                        k0=j * BLOCK, partial=partial, sides=("q", "d"))
             acc = acc + jnp.dot(ds.astype(q.dtype), kt, preferred_element_type=F32)
             return (acc, dv + _scatter(floats, g_q, len(floats)),
                     dd + _scatter(d_floats, g_d, len(d_floats), runs))
@@ -195,7 +195,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             p, ds, _, g_kv, _ = _probs(qt, kt, dot, vt, rows(lse_delta[b, h, 0]),
                                     rows(lse_delta[b, h, 1]), kmask=kmask, scale=scale,
                                     score=score, values=score_values, b=b, h=h,
-                                    q0=j * BLOCK, k0=k0, partial=partial)
+                                    q0=j * BLOCK, k0=k0, partial=partial, sides=("kv",))
             dv = dv + jnp.dot(p.T.astype(q.dtype), dot, preferred_element_type=F32)
             dk = dk + jnp.dot(ds.T.astype(q.dtype), qt, preferred_element_type=F32)
             return dk, dv, dw + _scatter(floats, g_kv, len(floats))
