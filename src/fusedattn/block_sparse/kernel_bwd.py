@@ -132,8 +132,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             delta = row_vector(ld_smem.at[wg, 1], interpret)
             q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
             q_words = [row_vector(sq_smem.at[wg, r], interpret) for r in range(n_sq)]
-            diag = Diagonal.load(sd_ref, sd_smem, sd_ready, b, h, wg, score.runs,
-                                     interpret) if n_sd else None
+            diag = n_sd and Diagonal.load(sd_ref, sd_smem, sd_ready, b, h, wg, score.runs,
+                                          interpret)
             if d_diag:   # the diagonal values' gradient sums, a row of each run
                 diag.clear(dsd_smem.at[wg])
 
@@ -299,8 +299,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             plgpu.barrier_wait(in_ready.at[wg * 4 + 1])
             kv_vals = [row_vector(ka_smem.at[wg, r], interpret) for r in range(n_ka)]
             kv_words = [row_vector(skv_smem.at[wg, r], interpret) for r in range(n_skv)]
-            diag = Diagonal.load(sd_ref, sd_smem, sd_ready, b, h, wg, score.runs,
-                                     interpret) if n_sd else None
+            diag = n_sd and Diagonal.load(sd_ref, sd_smem, sd_ready, b, h, wg, score.runs,
+                                          interpret)
             # The two warpgroups take turns on the tensor cores (as in the forward): one's
             # dS overlaps the other's products (docs/decisions.md).
             sync = lambda: rendezvous(sched)
