@@ -132,9 +132,8 @@ class Hoisted:
         (inputs, consts, device, diags, positions), runs = self._diagonal
         env = _evaluate(self.kind, inputs, consts, device, args, positions)
         diagonals = runs.run_of.shape[0]
-        words = [_word(_flat(env[v], diagonals, 2))[..., runs.starts] for v in diags]
-        lead = tuple(max(w.shape[a] for w in words) for a in (0, 1))
-        return jnp.stack([jnp.broadcast_to(w, lead + w.shape[2:]) for w in words], axis=2)
+        return stack_words([_word(_flat(env[v], diagonals, 2))[..., runs.starts]
+                            for v in diags])
 
     def __call__(self, *index_rows_cols, diags=()):
         """``split(*index, rows, cols, diags=...)``: the function on tiles. `index` its
@@ -477,6 +476,15 @@ def _flat(x, n, axis):
     x = jnp.reshape(x, (1, 1, 1, 1)) if jnp.ndim(x) == 0 else x
     shape = x.shape[:2] + ((n, 1) if axis == 2 else (1, n))
     return jnp.broadcast_to(x, shape).reshape(x.shape[:2] + (n,))
+
+
+def stack_words(values):
+    """A score_mod's value words, each ``[B|1, H|1, n]``, as float32 ``[B|1, H|1, count,
+    n]`` (batch and heads broadcast to the largest), or None without values."""
+    if not values:
+        return None
+    lead = tuple(max(v.shape[a] for v in values) for a in (0, 1))
+    return jnp.stack([jnp.broadcast_to(v, lead + v.shape[2:]) for v in values], axis=2)
 
 
 def _word(x):

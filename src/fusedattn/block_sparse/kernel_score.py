@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from .dependence import mask_mod_reads
 from .diagonal import Runs
-from .hoisting import SCORE, hoist
+from .hoisting import SCORE, hoist, stack_words
 from ..jaxprs import plain
 
 F32 = jnp.float32
@@ -61,7 +61,7 @@ def kernel_score(score_mod: Optional[Callable], args: Sequence, batch: int, head
     if split is None:  # it reads no array
         return Score(fn, None, None)
     rows, cols = split.values(args)
-    return Score(fn, _stack(rows), _stack(cols), split.diagonal(args))
+    return Score(fn, stack_words(rows), stack_words(cols), split.diagonal(args))
 
 
 @functools.lru_cache(maxsize=256)
@@ -88,14 +88,6 @@ def _reads_args(score_mod, specs, batch, heads, s_q, s_kv) -> bool:
     def as_mask_mod(b, h, i, j, *args):  # the score a constant: only the args' taint counts
         return score_mod(jnp.zeros((), F32), b, h, i, j, *args)
     return mask_mod_reads(as_mask_mod, specs, batch, heads, s_q, s_kv).args
-
-
-def _stack(values):
-    """float32 [B|1, H|1, n, s] (batch and heads broadcast to the largest), or None."""
-    if not values:
-        return None
-    lead = tuple(max(v.shape[a] for v in values) for a in (0, 1))
-    return jnp.stack([jnp.broadcast_to(v, lead + v.shape[2:]) for v in values], axis=2)
 
 
 def apply(fn: ScoreFn, x, b, h, q, kv, tiles, with_grad: bool, sides=("q", "kv", "d")):
