@@ -44,11 +44,15 @@ def _diagonal(score, words, b, h, d):
                                  (words.shape[2], BLOCK, BLOCK)))
 
 
+def _positions(q0, k0):
+    """The query and key positions of the block pair at (q0, k0), as a column and a row."""
+    return q0 + jnp.arange(BLOCK)[:, None], k0 + jnp.arange(BLOCK)[None, :]
+
+
 def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial, sides=()):
     """Base-2 logits of one (query block, key block) pair, -inf where masked, and the
     score's pullback (`kernel_score.apply`; None without a score)."""
-    q = q0 + jnp.arange(BLOCK)[:, None]
-    kv = k0 + jnp.arange(BLOCK)[None, :]
+    q, kv = _positions(q0, k0)
     s = jnp.dot(qt, kt.T, preferred_element_type=F32) * scale
     pull = None
     if score is not None:
@@ -118,9 +122,9 @@ def _probs(qt, kt, dot, vt, lse, delta, **kw):
     if pull is None:
         return p, ds, [], [], []
     ds, g_q, g_kv, g_d = pull(ds)
-    d = kw["q0"] - kw["k0"] + jnp.arange(BLOCK)[:, None] - jnp.arange(BLOCK)[None, :]
+    q, kv = _positions(kw["q0"], kw["k0"])
     return (p, ds, [g.sum(1) for g in g_q], [g.sum(0) for g in g_kv],
-            [kw["score"].runs.sums(g, d) for g in g_d])
+            [kw["score"].runs.sums(g, q - kv) for g in g_d])
 
 
 def _scatter(floats, grads, n, width=BLOCK):
