@@ -71,3 +71,26 @@ def to_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
 def from_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
     """A bshd tensor -> the config's layout."""
     return jnp.swapaxes(x, 0, 1) if config.layout == "sbhd" else x
+
+
+# Token chunks of a two-stage sum over the sequence: XLA reduces [b, s, h, d] over s
+# with one CTA per few columns, a long serial loop; partial sums over 16 chunks first
+# give it s/16 times the parallelism (docs/decisions.md).
+_TOKEN_CHUNKS = 16
+
+
+def token_sum(x: jax.Array) -> jax.Array:
+    """``x [b, s, ...]`` summed over s in fp32."""
+    x = x.astype(jnp.float32)
+    s = x.shape[1]
+    if s % _TOKEN_CHUNKS or s == _TOKEN_CHUNKS:
+        return x.sum(1)
+    parts = x.reshape(x.shape[0], _TOKEN_CHUNKS, s // _TOKEN_CHUNKS, *x.shape[2:]).sum(2)
+    # Kept apart: XLA would merge the two sums back into one reduction.
+    return jax.lax.optimization_barrier(parts).sum(1)
+
+
+def value_mean(v: jax.Array, h_q: int) -> jax.Array:
+    """The mean of v ``[b, s, h_kv, d]`` over its tokens per query head, ``[b, h_q, d]``
+    fp32: what jax.nn gives a row that sees no key."""
+    return jnp.repeat(token_sum(v) / v.shape[1], h_q // v.shape[2], axis=1)

@@ -41,6 +41,7 @@ import numpy as np
 
 from . import dispatch
 from .config import DTYPES
+from .inputs import value_mean
 from .sequence import SequenceDescriptor
 from .validation import build_call
 
@@ -193,7 +194,7 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     if empty is not None and not filled:
         # Kernels give such a row 0 (a mask, or no key in range) or shift it by the bias
         # constant (a no-op for softmax); jax.nn gives every key the same weight.
-        mean = jnp.repeat(v.astype(jnp.float32).mean(axis=1), n // k.shape[2], axis=1)
+        mean = value_mean(v, n)
         out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], mean[:, None].astype(out.dtype),
                         out)
     if not need_lse:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..inputs import token_sum, value_mean
 from . import kernel_bwd, kernel_fwd, reference
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
@@ -116,8 +117,7 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_
     # The mean of v an unseen row gives, from v before its padding (a sum of the padded v
     # fused with its pad ran slower). A constant to the vjp: the backward adds its
     # gradient to dv itself.
-    fill = None if mean_over is None else jax.lax.stop_gradient(
-        _per_query_head(v.astype(jnp.float32).mean(1), q.shape[2]))
+    fill = None if mean_over is None else jax.lax.stop_gradient(value_mean(v, q.shape[2]))
     fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation)
     score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
     out, lse2 = _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints)
@@ -201,11 +201,6 @@ def _fwd(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints):
     return (out, lse2), (q, k, v, values, ints, out, lse2)
 
 
-def _per_query_head(x, h_q):
-    """[B, H_kv, D] -> [B, H_q, D], each kv head's row repeated over its group."""
-    return jnp.repeat(x, h_q // x.shape[1], axis=1)
-
-
 def _bwd(fn, scale, score, impl, mean_over, res, cts):
     q, k, v, values, ints, out, lse2 = res
     do = cts[0].astype(q.dtype)
@@ -223,9 +218,9 @@ def _bwd(fn, scale, score, impl, mean_over, res, cts):
         # An unseen row's output is the mean of v: its cotangent reaches every key's dv
         # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
         # A masked sum over the sequence reads dO once (as an einsum, XLA transposed dO
-        # for a matmul first).
+        # for a matmul first), in two stages (`token_sum`).
         unseen = jnp.swapaxes(lse2 == -jnp.inf, 1, 2)[..., None]       # [B, S, H, 1]
-        dv_add = jnp.where(unseen, do.astype(jnp.float32), 0.0).sum(1) / mean_over
+        dv_add = token_sum(jnp.where(unseen, do, 0)) / mean_over
     kernels = kernel_bwd if impl == "mosaic" else reference
     dq, d_q_values, d_d_values = kernels.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
     dk, dv, d_kv_values = kernels.dkv(q, k, v, do, lse_delta, bwd_lists, km, dv_add=dv_add,
