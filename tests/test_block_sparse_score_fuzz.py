@@ -27,6 +27,7 @@ import pytest
 from fusedattn import score_mods
 from fusedattn.block_sparse import hoisting, kernel_score
 from fusedattn.block_sparse.hoisting import Unsupported
+from fusedattn.block_sparse.reference import diagonal_tiles
 
 B, H, S_Q, S_KV = 2, 3, 7, 5
 L, ND = 8, 4        # table length along positions (>= S_Q, S_KV); number of "documents"
@@ -379,16 +380,6 @@ def _tiles(layout, x, r, c):
             [tile(v, ka) for v in c])
 
 
-def _diag_tiles(split, diags, bb, hh, q, kv):
-    """The diagonal values' tiles at (bb, hh) over the pairs of q, kv (the reference's
-    gather form of what a kernel rebuilds run by run)."""
-    if diags is None:
-        return []
-    words = split.runs.tile(_at(diags, bb, hh), q - kv)   # [l, *tile]
-    return list(jnp.broadcast_to(words, (words.shape[0],) + jnp.broadcast_shapes(q.shape,
-                                                                              kv.shape)))
-
-
 def _q_major(layout, t):
     return t.T if layout == "tile_t" else t
 
@@ -398,7 +389,7 @@ def _kernel_side(split, rows, cols, layout, score=SCORE, diags=None):
     def one(bb, hh):
         x, q, kv, rt, ct = _tiles(layout, score[bb, hh], [_at(v, bb, hh) for v in rows],
                                   [_at(v, bb, hh) for v in cols])
-        dt = _diag_tiles(split, diags, bb, hh, q, kv)
+        dt = diagonal_tiles(split.runs, diags, bb, hh, q - kv)
         return _q_major(layout, jnp.broadcast_to(split(x, bb, hh, q, kv, rt, ct, diags=dt),
                                                  x.shape))
     return jax.vmap(jax.vmap(one, (None, 0)), (0, None))(jnp.arange(B), jnp.arange(H))
@@ -514,7 +505,7 @@ def _pullbacks(split, rows, cols, layout, sides, g, score=SCORE, diags=None):
     def one(bb, hh):
         x, q, kv, rt, ct = _tiles(layout, score[bb, hh], [_at(v, bb, hh) for v in rows],
                                   [_at(v, bb, hh) for v in cols])
-        dt = _diag_tiles(split, diags, bb, hh, q, kv)
+        dt = diagonal_tiles(split.runs, diags, bb, hh, q - kv)
         y, pull = kernel_score.apply(score_fn, x, bb, hh, q, kv, (rt, ct, dt), with_grad=True,
                                      sides=sides)
         dx, dq, dk, dd = pull(_q_major(layout, g[bb, hh]))

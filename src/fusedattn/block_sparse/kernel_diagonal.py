@@ -7,6 +7,8 @@ crosses and, in the dq kernel, sums the score's gradient per run.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,6 +43,16 @@ def diagonal_scratch(words):
     return [plgpu.SMEM((NWG,) + words.shape[2:], jnp.int32), plgpu.Barrier(num_barriers=NWG)]
 
 
+class Span(NamedTuple):
+    """One tile's place among the runs (`Diagonal.span`)."""
+    q0: jax.Array        # the tile's first query position
+    k0: jax.Array        # its first key position
+    shape: tuple         # its shape, queries along `q_axis`
+    q_axis: int          # 0: queries along the rows (forward, dq); 1: along the columns (dk/dv)
+    first: jax.Array     # the first run its diagonals cross (that of its lowest diagonal)
+    last: jax.Array      # the last (its highest's); == first: the tile lies in one run
+
+
 class Diagonal:
     """A score's values by q_idx - kv_idx inside a kernel, from one (b, h)'s rows of
     `diagonal_words` in SMEM (`smem` ``[l + 1, P]``) and the runs' first diagonals
@@ -62,8 +74,8 @@ class Diagonal:
         plgpu.barrier_wait(ready.at[wg])
         return cls(smem.at[wg], runs.lo, interpret)
 
-    def span(self, q0, k0, shape, q_axis):
-        """A tile's (q0, k0, shape, q_axis, the first run its diagonals cross, the last)."""
+    def span(self, q0, k0, shape, q_axis) -> Span:
+        """A tile's `Span`: where it lies and the first and last runs it crosses."""
         d_min = q0 - k0 - (shape[1 - q_axis] - 1)
         d_max = q0 - k0 + shape[q_axis] - 1
 
@@ -72,7 +84,7 @@ class Diagonal:
             for lo in self.lo[1:-1]:
                 n = n + (x >= int(lo)).astype(jnp.int32)
             return n
-        return q0, k0, shape, q_axis, run(d_min), run(d_max)
+        return Span(q0, k0, shape, q_axis, run(d_min), run(d_max))
 
     def _lo(self, k):
         return self.smem[self.count, k]
@@ -81,10 +93,10 @@ class Diagonal:
         """`x` in the wgmma tile layout (both branches of a cond must give the same)."""
         return x if self.interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
-    def _past(self, span):
+    def _past(self, span: Span):
         """``past(lo)``: the tile's pairs with ``q - kv >= lo``, compared from a row
         and a column vector of positions (no tile of diagonals held in registers)."""
-        q0, k0, shape, q_axis = span[:4]
+        q0, k0, shape, q_axis = span.q0, span.k0, span.shape, span.q_axis
 
         def positions(axis, start):
             x = start + lax.broadcasted_iota(jnp.int32, (shape[axis],), 0)
@@ -94,9 +106,9 @@ class Diagonal:
         kv = broadcast_along(kv, 1 - q_axis, shape)
         return lambda lo: broadcast_along(q - lo, q_axis, shape) >= kv
 
-    def tiles(self, span):
+    def tiles(self, span: Span):
         """Each value's tile of float32 words."""
-        shape, first, last = span[2], span[4], span[5]
+        shape, first, last = span.shape, span.first, span.last
 
         def far():
             return [self._tile(jnp.full(shape, self.smem[i, first], jnp.int32))
@@ -113,12 +125,12 @@ class Diagonal:
             return [one(i) for i in range(self.count)]
         return [lax.bitcast_convert_type(x, F32) for x in lax.cond(first == last, far, near)]
 
-    def add_row_sums(self, acc, span, grads, floats):
+    def add_row_sums(self, acc, span: Span, grads, floats):
         """Add each float value's gradient tile, summed along the rows over each run's
         pairs, to its rows of `acc` (SMEM ``[l, K, rows]``). Near the diagonal: sums
         from each crossed run's first diagonal on, differenced (one masked sum per
         run boundary crossed)."""
-        first, last = span[4], span[5]
+        first, last = span.first, span.last
         grads = iter(grads)
         for i, yes in enumerate(floats):
             if not yes:

@@ -36,12 +36,14 @@ def _side(arrays, b, h, start, axis, tile=False):
     return [jnp.broadcast_to(x, (BLOCK, BLOCK)) for x in vecs] if tile else vecs
 
 
-def _diagonal(score, words, b, h, d):
-    """A score's values by q_idx - kv_idx at the diagonals `d`, as tiles."""
+def diagonal_tiles(runs, words, b, h, d):
+    """A score's values by q_idx - kv_idx (`words` ``[B|1, H|1, l, K]`` per `runs`) at
+    (b, h) and the diagonals `d` (a tile), as l tiles: the gather form of what a kernel
+    rebuilds run by run (`kernel_diagonal.Diagonal`). Not private: the score fuzz
+    tests build their tiles with it."""
     if words is None:
         return []
-    return list(jnp.broadcast_to(score.runs.tile(words[side_index(words, b, h)], d),
-                                 (words.shape[2], BLOCK, BLOCK)))
+    return list(runs.tile(words[side_index(words, b, h)], d))   # [l, *d.shape]
 
 
 def _positions(q0, k0):
@@ -57,7 +59,7 @@ def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial, sides
     pull = None
     if score is not None:
         tiles = (_side(values[0], b, h, q0, 0, tile=True), _side(values[1], b, h, k0, 1, tile=True),
-                 _diagonal(score, values[2], b, h, q - kv))
+                 diagonal_tiles(score.runs, values[2], b, h, q - kv))
         s, pull = apply(score, s, b, h, q, kv, tiles, with_grad=True, sides=sides)
     qv, kvv = _side(kmask.q_arrays, b, h, q0, 0), _side(kmask.kv_arrays, b, h, k0, 1)
     dense = None
