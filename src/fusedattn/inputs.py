@@ -73,9 +73,9 @@ def from_bshd(config: AttnConfig, x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1) if config.layout == "sbhd" else x
 
 
-# Token chunks of a two-stage sum over the sequence: XLA reduces [b, s, h, d] over s
-# with one CTA per few columns, a long serial loop; partial sums over 16 chunks first
-# give it s/16 times the parallelism (docs/decisions.md).
+# Token chunks of a two-stage sum over the sequence: XLA's one reduction of [b, s, h, d]
+# over s ran well under the memory bandwidth; partial sums over 16 chunks of tokens
+# first (16x the outputs to spread) measured faster (docs/decisions.md).
 _TOKEN_CHUNKS = 16
 
 
