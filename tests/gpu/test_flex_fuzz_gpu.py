@@ -60,7 +60,8 @@ def _compiled(program: ff.Program):
         rng = np.random.default_rng(SEED * 100003 + program.index)
         q, k, v, d_out, args = _inputs(program, rng)
         options, _ = ff.call_options(program, S)
-        plan = fusedattn.explain(q, k, v, score_mod_args=args, backend="auto", **options)
+        # cuDNN's plan, asked for by name: `auto` may prefer block_sparse for a mask_mod.
+        plan = fusedattn.explain(q, k, v, score_mod_args=args, backend="cudnn", **options)
         if plan.chosen != "cudnn":
             return program, plan, None, None
         floats = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]

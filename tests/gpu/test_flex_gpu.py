@@ -203,9 +203,12 @@ def test_a_lowered_mod_changes_the_result():
 
 @pytest.mark.parametrize("name", sorted(n for n, m in fc.MODS.items() if m[3]))
 def test_inexpressible_mods_fall_back_with_the_reason(name):
+    """cuDNN refuses them with the reason; the block-sparse kernels (gathers hoisted
+    out of the kernel) or XLA run them."""
     built = ac.build(_case(name))
     plan = fusedattn.explain(built.q, built.k, built.v, **built.options())
-    assert plan.chosen == "xla" and fc.MODS[name][3] in dict(plan.reasons)["cudnn"]
+    assert plan.chosen in ("block_sparse", "xla"), str(plan)
+    assert fc.MODS[name][3] in dict(plan.reasons)["cudnn"], str(plan)
 
 
 # Issue 28: ``sin(cos(s)) + 0.5 * cos(s)`` ran on cuDNN with dV 394x off (forward, dQ, dK
