@@ -4,6 +4,8 @@
 # With two or more GPUs the sharding tests (tests/gpu/test_sharding_gpu.py) and
 # benchmarks/bench_sharding.py run too; with one they skip and say so.
 #   ci/cuda.sh [all|build|test|bench] [extra pytest args...]
+# FUSEDATTN_GPU_SHARD=i/n runs every n-th GPU test from the i-th (tests/gpu/conftest.py):
+# the whole suite in n calls of a machine that limits each command's time.
 # Results: benchmarks/results/*.json|png, logs under ${OUT:-build/ci-cuda}.
 set -euo pipefail
 cd "$(dirname "$0")/.."

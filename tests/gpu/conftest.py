@@ -39,20 +39,41 @@ def gpu_skip_reason() -> Optional[str]:
 
 def pytest_collection_modifyitems(config, items):
     here = __file__.rsplit("/", 1)[0]
-    gpu_items = [item for item in items if str(item.fspath).startswith(here)]
+    in_here = lambda item: str(item.fspath).startswith(here)  # noqa: E731
+    gpu_items = [item for item in items if in_here(item)]
     if HARNESS_ON_CPU:
         gpu_items = [item for item in gpu_items if item.get_closest_marker("harness_on_cpu") is None]
-    if not gpu_items:
-        return
-    reason = gpu_skip_reason()
-    if reason is None:
-        return
-    chosen = set(map(id, gpu_items))
-    items[:] = [item for item in items if id(item) not in chosen]
-    config.hook.pytest_deselected(items=gpu_items)
-    config._fusedattn_gpu_deselected = (len(gpu_items), reason)
-    if hasattr(config, "workeroutput"):  # a pytest-xdist worker: tell the controller
-        config.workeroutput["fusedattn_gpu_deselected"] = (len(gpu_items), reason)
+    reason = gpu_skip_reason() if gpu_items else None
+    if reason is not None:
+        _deselect(config, items, gpu_items)
+        config._fusedattn_gpu_deselected = (len(gpu_items), reason)
+        if hasattr(config, "workeroutput"):  # a pytest-xdist worker: tell the controller
+            config.workeroutput["fusedattn_gpu_deselected"] = (len(gpu_items), reason)
+    shard = _shard(os.environ.get("FUSEDATTN_GPU_SHARD"))
+    if shard:
+        i, n = shard
+        _deselect(config, items, [item for k, item in enumerate(
+            item for item in items if in_here(item)) if k % n != i])
+
+
+def _deselect(config, items, chosen):
+    ids = set(map(id, chosen))
+    items[:] = [item for item in items if id(item) not in ids]
+    config.hook.pytest_deselected(items=chosen)
+
+
+def _shard(spec: Optional[str]):
+    """FUSEDATTN_GPU_SHARD="i/n": run every n-th GPU test from the i-th (0 <= i < n), so
+    the whole GPU suite fits a few calls of a machine that limits each command's time."""
+    if not spec:
+        return None
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"FUSEDATTN_GPU_SHARD={spec!r}: expected i/n with 0 <= i < n")
+    return i, n
 
 
 @pytest.hookimpl(optionalhook=True)
