@@ -6,7 +6,9 @@ One exception, for checking a GPU test's harness (inputs, layouts, reference
 values) on a machine without a GPU: with FUSEDATTN_GPU_TESTS_ON_CPU=1, tests
 marked `harness_on_cpu` are not skipped here. Such a test must run with a
 backend that needs no native extension (e.g. test_cudnn.py with
-FUSEDATTN_TEST_BACKEND=xla) and skip itself otherwise."""
+FUSEDATTN_TEST_BACKEND=xla) and skip itself otherwise.
+
+FUSEDATTN_GPU_SHARD=i/n keeps every n-th GPU test from the i-th (`_shard`)."""
 from __future__ import annotations
 
 import functools
