@@ -1,18 +1,20 @@
-"""Block-sparse attention (fusedattn.block_sparse.block_sparse_attention, Mosaic GPU
-kernels) on one GPU against fusedattn's plain causal and torch flex_attention,
-forward and forward+backward, b4 s4096 h16 d128 bf16. Three rows compose a score_mod
-that reads arrays (per-head ALiBi slopes, a learned per-document scale, a T5 bias table
-read by q_idx - kv_idx) with a mask: beside the same mask's row they show what the
-score_mod costs.
+"""Masks on one GPU: fusedattn (the mask_mods through `fused_attn` and its dispatch,
+maps from ids and dense masks on the block-sparse Mosaic GPU kernels) against
+fusedattn's plain causal attention (dispatch's choice) and torch flex_attention,
+forward and forward+backward, b4 s4096 h16 d128 bf16. Rows named ":block_sparse"
+call `block_sparse_attention` itself, whatever dispatch would pick. Three rows
+compose a score_mod that reads arrays (per-head ALiBi slopes, a learned per-document
+scale, a T5 bias table read by q_idx - kv_idx) with a mask: beside the same mask's
+row they show what the score_mod costs.
 
 TFLOP/s count visible pairs only (4 * d flops per pair forward, 3.5x that for
 forward+backward), for every row alike, so rows compare as work per second. Our
 rows include building the block map: a mask_mod that reads only positions has a
 static map (built on the host when traced), maps from an id array or a dense mask
 are built on the device inside the timed step. The dense document mask goes through
-the jax.nn drop-in (`fusedattn.dot_product_attention(mask=)`), dispatch included. torch flex_attention
-(torch.compile, create_block_mask built once outside the timing) runs in a child
-process, timed the same way.
+the jax.nn drop-in (`fusedattn.dot_product_attention(mask=)`), dispatch included.
+torch flex_attention (torch.compile, create_block_mask built once outside the timing)
+runs in a child process, timed the same way.
 
     python -m benchmarks.bench_block_sparse
 
@@ -29,6 +31,7 @@ import numpy as np
 from benchmarks import torch_flex
 from benchmarks.common import (device_meta, device_slug, print_table, run_main, time_row,
                                warm_into, write_results)
+import fusedattn
 from fusedattn import block_sparse as bs
 from fusedattn import score_mods
 from fusedattn.block_sparse.attention import block_sparse_attention
@@ -56,28 +59,39 @@ def _visible_pairs(name):
     return int(m.sum()) * B * H
 
 
+def window_mod(b, h, i, j):
+    return (j <= i) & (i - j < WINDOW)
+
+
+def prefix_mod(b, h, i, j):
+    return (j <= i) | (j < PREFIX)
+
+
 def cases():
     """name -> fn(q, k, v, extra): `extra` (the ids or the dense mask) is an argument of
-    the jitted step, so building its map runs on the device in every call."""
+    the jitted step, so building its map runs on the device in every call. The mask_mod
+    rows go through `fused_attn` as a user writes them (dispatch included: a window
+    mask_mod is recognised as ``window=`` and runs on cuDNN or FA3, whichever a
+    measurement picks); ":block_sparse" rows call the block-sparse kernels by name."""
     def window(q, k, v, extra):
-        bm = bs.block_map(lambda b, h, i, j: (j <= i) & (i - j < WINDOW), s_q=S, s_kv=S)
-        return block_sparse_attention(q, k, v, bm)
+        return fusedattn.fused_attn(q, k, v, mask_mod=window_mod)
+
+    def window_kernels(q, k, v, extra):
+        return block_sparse_attention(q, k, v, bs.block_map(window_mod, s_q=S, s_kv=S))
 
     def prefix(q, k, v, extra):
-        bm = bs.block_map(lambda b, h, i, j: (j <= i) | (j < PREFIX), s_q=S, s_kv=S)
-        return block_sparse_attention(q, k, v, bm)
+        return fusedattn.fused_attn(q, k, v, mask_mod=prefix_mod)
 
     def documents(q, k, v, ids):
         return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None))
 
     def documents_dense(q, k, v, dense):   # the jax.nn drop-in, its dispatch included
-        import fusedattn  # noqa: PLC0415 - imported where the drop-in is timed
         return fusedattn.dot_product_attention(q, k, v, mask=dense)
 
     # score_mods reading arrays, composed with the masks above (compare with their rows)
     def window_alibi(q, k, v, extra):
-        bm = bs.block_map(lambda b, h, i, j: (j <= i) & (i - j < WINDOW), s_q=S, s_kv=S)
-        return block_sparse_attention(q, k, v, bm, score_mod=_alibi, score_mod_args=(SLOPES,))
+        return block_sparse_attention(q, k, v, bs.block_map(window_mod, s_q=S, s_kv=S),
+                                      score_mod=_alibi, score_mod_args=(SLOPES,))
 
     def documents_scale(q, k, v, ids):
         return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None),
@@ -87,9 +101,12 @@ def cases():
         bm = bs.block_map(lambda b, h, i, j: j <= i, s_q=S, s_kv=S)
         return block_sparse_attention(q, k, v, bm, score_mod=_t5, score_mod_args=(T5_TABLE,))
 
-    return {"sliding_window": window, "prefix_lm": prefix, "documents": documents,
-            "documents_dense_mask": documents_dense, "sliding_window+alibi": window_alibi,
-            "documents+document_scale": documents_scale, "causal+t5_bias": causal_t5}
+    return {"sliding_window": window, "sliding_window:block_sparse": window_kernels,
+            "prefix_lm": prefix, "documents": documents,
+            "documents_dense_mask": documents_dense,
+            "sliding_window+alibi:block_sparse": window_alibi,
+            "documents+document_scale": documents_scale,
+            "causal+t5_bias:block_sparse": causal_t5}
 
 
 SLOPES = jnp.asarray([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], jnp.float32)
@@ -116,16 +133,19 @@ def _t5_buckets():
 
 
 def plain_causal():
-    try:
-        import fusedattn
-        f = lambda q, k, v, _: fusedattn.fused_attn(q, k, v, mask="causal", backend="cudnn")
-        q = jnp.zeros((1, 128, 1, D), jnp.bfloat16)
-        jax.block_until_ready(f(q, q, q, None))
-        return f, "fusedattn cudnn"
-    except Exception:  # noqa: BLE001 - without the native extension: cuDNN through jax.nn
-        return (lambda q, k, v, _: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                 implementation="cudnn"),
-                "jax.nn cudnn")
+    """Our plain causal attention: `fused_attn(mask="causal")` as dispatch runs it (the
+    faster of cuDNN and FA3 by measurement), and the backend of each step, for the notes."""
+    f = lambda q, k, v, _: fusedattn.fused_attn(q, k, v, mask="causal")
+    return f, f"fusedattn auto: {route(mask='causal')}"
+
+
+def route(**options) -> str:
+    """What dispatch runs for these options: the backend of each step (and a rewrite)."""
+    q = jnp.zeros((B, S, H, D), jnp.bfloat16)
+    plan = fusedattn.explain(q, q, q, **options)
+    steps = ({s: plan.rivals.for_step(s) for s in ("inference", "training")}
+             if plan.rivals else plan.chosen)
+    return f"{steps}" + (f" ({plan.rewritten})" if plan.rewritten else "")
 
 
 def _step(fn, mode, q, k, v, do, extra):
@@ -188,6 +208,8 @@ def main():
     dense = jnp.asarray((ids_np[:, :, None] == ids_np[:, None, :])[:, None])
     causal_fn, causal_name = plain_causal()
     meta["plain_causal"] = causal_name
+    meta["routes"] = {"sliding_window": route(mask_mod=window_mod),
+                      "prefix_lm": route(mask_mod=prefix_mod)}
     rows = []
     extras = {"documents": ids, "documents_dense_mask": dense, "documents+document_scale": ids}
     for name, fn in list(cases().items()) + [("causal", causal_fn)]:
@@ -205,7 +227,7 @@ def main():
                 if why is not None:
                     notes[f"{impl} {name} {mode}"] = why
             time_row(row, calls, flops)
-            t = torch.get(name.replace("_dense_mask", ""), {}).get(mode)
+            t = torch.get(name.split(":")[0].replace("_dense_mask", ""), {}).get(mode)
             if t:
                 row["torch-flex"] = flops / t / 1e12
                 row["torch-flex_ms"] = t * 1e3

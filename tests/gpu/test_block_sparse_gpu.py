@@ -103,28 +103,50 @@ def test_softcap_score_mod():
 
 
 @pytest.mark.parametrize("name, mask_mod, options", [
-    ("sliding window", lambda b, h, i, j: (j <= i) & (i - j < 128), {}),
+    ("sliding window with a global first key",
+     lambda b, h, i, j: ((j <= i) & (i - j < 128)) | (j == 0), {}),
     ("prefix-LM", lambda b, h, i, j: (j <= i) | (j < 128), {}),
     ("documents of 128 and causal", lambda b, h, i, j: i // 128 == j // 128,
      dict(mask="causal")),
-    ("sliding window over 300 tokens", lambda b, h, i, j: (j <= i) & (i - j < 100), dict(s=300)),
+    ("sliding window and 4 sink keys over 300 tokens",
+     lambda b, h, i, j: ((j <= i) & (i - j < 100)) | (j < 4), dict(s=300)),
 ])
 def test_fused_attn_runs_mask_mods_on_the_block_sparse_kernels(name, mask_mod, options):
     """fused_attn's dispatch picks block_sparse for a mask_mod of positions on Hopper,
     explain() gives its block map, and forward and gradients match the float64 oracle."""
+    plan = _check_mask_mod(name, mask_mod, options)
+    assert plan.chosen == "block_sparse" and not plan.rewritten, str(plan)
+    assert "block map" in str(plan), str(plan)
+
+
+@pytest.mark.parametrize("name, mask_mod, options", [
+    ("sliding window", lambda b, h, i, j: (j <= i) & (i - j < 128), {}),
+    ("sliding window over 300 tokens", lambda b, h, i, j: (j <= i) & (i - j < 100), dict(s=300)),
+    ("band over longer keys", lambda b, h, i, j: (j <= i + 64) & (i + 64 - j < 200),
+     dict(s_kv=576)),
+])
+def test_fused_attn_runs_built_in_mask_mods_as_the_built_in_mask(name, mask_mod, options):
+    """A mask_mod equal to a built-in mask on every pair runs as that mask, on the
+    vendor kernel a measurement picks (cuDNN or FA3), and matches the float64 oracle."""
+    plan = _check_mask_mod(name, mask_mod, options)
+    assert plan.rewritten and plan.chosen in ("cudnn", "flash"), str(plan)
+
+
+def _check_mask_mod(name, mask_mod, options):
+    """explain() of fused_attn with `mask_mod`, after its forward and gradients are
+    checked against the float64 oracle (b2 h4/2 d128 bf16, s 512 unless given)."""
     import fusedattn
     from support import attn_cases as ac
     from fusedattn.score_mods import Masked
     options = dict(options)
     s = options.pop("s", 512)
-    case = ac.Case(b=2, s_q=s, s_kv=s, h_q=4, h_kv=2, d_qk=128, d_v=128, dtype="bfloat16",
-                   score_mod=Masked(None, mask_mod), **options)
+    s_kv = options.pop("s_kv", s)
+    case = ac.Case(b=2, s_q=s, s_kv=s_kv, h_q=4, h_kv=2, d_qk=128, d_v=128,
+                   dtype="bfloat16", score_mod=Masked(None, mask_mod), **options)
     built = ac.build(case)
     plan = fusedattn.explain(built.q, built.k, built.v, **built.options())
     if choose_implementation(built.q) != "mosaic":
         pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
-    assert plan.chosen == "block_sparse", str(plan)
-    assert "block map" in str(plan), str(plan)
     out, vjp = jax.jit(lambda q, k, v: jax.vjp(
         lambda *a: fusedattn.fused_attn(*a, **built.options()), q, k, v))(
             built.q, built.k, built.v)
@@ -135,7 +157,7 @@ def test_fused_attn_runs_mask_mods_on_the_block_sparse_kernels(name, mask_mod, o
                             ("dv", dv, ref.dv)):
         error = ac.rel_error(np.asarray(jnp.asarray(got, jnp.float32), np.float64), want)
         assert error < tol, (name, what, error)
-
+    return plan
 
 
 def _doc_mask_mod(b, h, i, j, doc):

@@ -119,9 +119,10 @@ def _check_against_the_oracle(name, variant, change, case=None):
     built = ac.build(case)
     uq, uk, uv = built.q, built.k, built.v
     plan = fusedattn.explain(uq, uk, uv, **built.options())
-    if plan.chosen != "cudnn" and dict(plan.reasons)["cudnn"] is None:
-        # a backend ahead of cudnn took it (block_sparse, a mask_mod of positions):
-        # cuDNN's own plan is what is checked here
+    if (plan.rewritten or plan.chosen != "cudnn") and dict(plan.reasons)["cudnn"] is None:
+        # a backend ahead of cudnn took it (block_sparse, a mask_mod of positions), or
+        # auto ran a built-in mask_mod as that mask: cuDNN's own plan of the call as
+        # written is what is checked here
         plan = fusedattn.explain(uq, uk, uv, **dict(built.options(), backend="cudnn"))
     if plan.chosen != "cudnn":
         reason = dict(plan.reasons)["cudnn"]

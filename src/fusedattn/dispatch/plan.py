@@ -11,6 +11,9 @@ A dense boolean mask (the drop-ins' `mask`) stays a mask for backends that take 
 here and nowhere else (`config_for` / `inputs_for`): each backend is asked about, and
 runs, the config it would receive.
 
+Under `auto`, a mask_mod that equals a built-in mask on every pair is planned as that
+mask (`recognised`): the plan's config is then the rewritten one, and explain() says so.
+
 Where backends of a rival group (`measure.RIVALS`: cudnn and flash on CUDA)
 can both run a config, `auto` picks by a measurement on this GPU, separately for
 calls without a gradient and for training steps, each when a call first needs it
@@ -29,7 +32,7 @@ from ..backends import fp8_op, native_op, xla
 from ..config import AttnConfig
 from ..inputs import mask_as_bias
 from ..vendor import current_platform
-from . import measure
+from . import measure, recognised
 from .registry import ALL_BACKENDS, load_backend
 
 log = logging.getLogger("fusedattn")
@@ -101,6 +104,9 @@ class Plan:
     rivals: Optional[MeasuredRivals] = None
     measure_note: str = ""
     context_parallel: Optional[object] = None  # a ContextParallel, run by its strategy
+    # How `auto` rewrote the call (a mask_mod run as the built-in mask it equals,
+    # `recognised`), or "": `config` is then the rewritten one.
+    rewritten: str = ""
 
     @property
     def chosen(self) -> Optional[str]:
@@ -135,6 +141,7 @@ class Plan:
         """Run the call this plan describes on `inputs` (an `AttnInputs`)."""
         name = self.require()
         strategy = self.strategy
+        inputs = recognised.inputs_for(self.config, inputs)
         config, inputs = config_for(self.config, name), inputs_for(self.config, name, inputs)
         if strategy == "context_parallel":
             return cp_module.attention(config, inputs, self.context_parallel, name)
@@ -151,6 +158,7 @@ class Plan:
         if self.strategy not in ("plain", "measured"):
             raise UnsupportedError(f"the log-sum-exp is returned by plain calls, not "
                                    f"{self.strategy}")
+        inputs = recognised.inputs_for(self.config, inputs)
         config, inputs = config_for(self.config, name), inputs_for(self.config, name, inputs)
         if name == "xla":
             return xla.attention_with_lse(config, inputs)
@@ -197,7 +205,7 @@ class Plan:
 
     def __str__(self) -> str:
         head = f"fusedattn plan on {self.platform} for {self.config.short()}"
-        lines = [head, self.table()]
+        lines = [head] + ([self.rewritten] if self.rewritten else []) + [self.table()]
         if self.rivals is not None:
             lines += ["measured: " + self.rivals.choice(s).describe()
                       for s in measure.STEPS]
@@ -255,6 +263,11 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
         cached = _plans.get(key)
     if cached is not None:
         return cached
+    rewritten = ""
+    if requested == "auto":
+        found = recognised.as_builtin(config)
+        if found is not None:
+            config, rewritten = found
     preferred = PREFERENCE.get(platform, ("xla",))
     order: List[str] = list(preferred) + [n for n in ALL_BACKENDS if n not in preferred]
     reasons = tuple((name, _reason(name, config, platform, context_parallel)) for name in order)
@@ -276,7 +289,7 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
     if context_parallel is not None:
         distributed = cp_module.describe(config, context_parallel)
     result = Plan(config, platform, requested, chosen, reasons, distributed, rivals,
-                  measure_note, context_parallel)
+                  measure_note, context_parallel, rewritten)
     with _plans_lock:
         if key not in _plans:
             log.info("fusedattn: %s on %s -> %s", config.short(), platform,

@@ -1,0 +1,83 @@
+"""A static mask that is exactly a built-in one: causal, a sliding window, a band.
+
+A mask_mod of positions alone (``(j <= i) & (i - j < 512)``) may describe a mask the
+vendor kernels already run with their own block skipping, through ``mask=`` and
+``window=``. `builtin_form` finds that form, if there is one, by evaluating the mask
+on the host at trace time (every pair, so the answer is exact, never a guess from a
+few rows) and comparing each row's visible keys with the built-in intervals
+(`builtin.intervals`, the semantics every backend follows).
+
+A mask is recognised only when every row sees one contiguous, non-empty run of keys,
+so the rule for rows that see no key never comes into it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional, Tuple
+
+import numpy as np
+
+from . import builtin
+from .classify import CHUNK_ELEMENTS, host_eval
+
+Form = Tuple[str, Optional[Tuple[int, int]]]   # (mask, window) as `fused_attn` takes them
+# Pairs evaluated at most (about a second of trace time); longer masks are not recognised.
+MAX_ELEMENTS = 1 << 26
+
+
+def builtin_form(mask_mod: Callable, s_q: int, s_kv: int, mask: str = "none",
+                 window=None, args: tuple = ()) -> Optional[Form]:
+    """``(mask, window)`` whose built-in mask equals ``mask_mod`` AND ``mask`` / ``window``
+    on every pair, or None. `mask_mod` must read positions only (`args` are zeros it
+    does not read); masks past `MAX_ELEMENTS` pairs are not evaluated (None)."""
+    if s_q * s_kv > MAX_ELEMENTS:
+        return None
+    rows = _row_intervals(mask_mod, s_q, s_kv, builtin.intervals(s_q, s_kv, mask, window),
+                          args)
+    if rows is None:
+        return None
+    lo, hi = rows
+    # (the causal forms first: backends have fast paths for them)
+    for form in sorted(_candidates(lo, hi, s_q, s_kv), key=lambda f: f[0] == "none"):
+        iv = builtin.intervals(s_q, s_kv, *form)
+        if np.array_equal(iv.lo[0], lo) and np.array_equal(iv.hi[0], hi):
+            return form
+    return None
+
+
+def _row_intervals(mask_mod, s_q, s_kv, given, args):
+    """Each row's first and last visible key, or None when a row sees no key or a
+    run with a gap. `given`: the call's built-in intervals, ANDed in."""
+    kv = np.arange(s_kv, dtype=np.int32).reshape(1, 1, 1, -1)
+    zero = np.zeros((1, 1, 1, 1), np.int32)
+    step = max(1, CHUNK_ELEMENTS // s_kv)
+    lo, hi = np.empty(s_q, np.int64), np.empty(s_q, np.int64)
+    for start in range(0, s_q, step):
+        q = np.arange(start, min(start + step, s_q), dtype=np.int32)
+        with host_eval():
+            vis = np.asarray(mask_mod(zero, zero, q.reshape(1, 1, -1, 1), kv, *args))
+        vis = np.broadcast_to(vis, (1, 1, len(q), s_kv))[0, 0]
+        vis = vis & (kv[0, 0] >= given.lo[0, q, None]) & (kv[0, 0] <= given.hi[0, q, None])
+        count = vis.sum(axis=1)
+        first = vis.argmax(axis=1)
+        last = s_kv - 1 - vis[:, ::-1].argmax(axis=1)
+        if (count == 0).any() or (count != last - first + 1).any():
+            return None
+        lo[q], hi[q] = first, last
+    return lo, hi
+
+
+def _candidates(lo, hi, s_q, s_kv) -> Iterator[Form]:
+    """The built-in forms the rows could be: each side's width read off the first row
+    where that side is bounded, for top-left and bottom-right alignment."""
+    i = np.arange(s_q)
+    for offset in dict.fromkeys((0, s_kv - s_q)):
+        bounded_hi, bounded_lo = hi < s_kv - 1, lo > 0
+        right = int((hi - i - offset)[bounded_hi][0]) if bounded_hi.any() else -1
+        left = int((i + offset - lo)[bounded_lo][0]) if bounded_lo.any() else -1
+        if (bounded_hi.any() and right < 0) or (bounded_lo.any() and left < 0):
+            continue
+        if right == 0:
+            yield ("causal" if offset == 0 else "causal_bottom_right",
+                   None if left == -1 else (left, 0))
+        elif offset == 0:
+            yield "none", None if (left, right) == (-1, -1) else (left, right)

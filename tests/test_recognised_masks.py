@@ -1,0 +1,186 @@
+"""A mask_mod that is exactly a built-in mask runs as that mask under `auto`.
+
+`block_sparse.recognise.builtin_form` is checked differentially: over generated
+mask_mods (ANDs and ORs of position comparisons) at small lengths, its answer is
+compared with an exhaustive search of every built-in (mask, window) form, so it
+must be sound (a form it returns equals the mask on every pair) and complete (it
+finds one whenever one exists). Then dispatch: the rewritten plan, its explain()
+line, and outputs and gradients equal to the call as written.
+"""
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fusedattn
+from fusedattn.block_sparse import builtin
+from fusedattn.block_sparse.recognise import builtin_form
+from fusedattn.config import MASKS
+from fusedattn import dispatch
+
+
+def dense(s_q, s_kv, mask, window):
+    iv = builtin.intervals(s_q, s_kv, mask, window)
+    j = np.arange(s_kv)[None, :]
+    return (j >= iv.lo[0][:, None]) & (j <= iv.hi[0][:, None])
+
+
+def all_forms(s_q, s_kv):
+    sides = range(-1, s_kv + 1)
+    for mask in MASKS:
+        for left in sides:
+            for right in ((0,) if mask != "none" else sides):
+                yield mask, (left, right)
+        yield mask, None
+
+
+def brute(fn, s_q, s_kv):
+    i, j = np.arange(s_q)[:, None], np.arange(s_kv)[None, :]
+    return np.broadcast_to(np.asarray(fn(0, 0, i, j)), (s_q, s_kv))
+
+
+def exhaustive(m):
+    """Whether any built-in form equals `m` on every pair (every row seeing a key)."""
+    s_q, s_kv = m.shape
+    return m.any(axis=1).all() and any(
+        np.array_equal(dense(s_q, s_kv, *f), m) for f in all_forms(s_q, s_kv))
+
+
+ATOMS = (  # (name, fn(i, j, c)), c drawn per atom
+    ("j<=i+c", lambda i, j, c: j <= i + c),
+    ("i-j<c", lambda i, j, c: i - j < c),
+    ("j-i<=c", lambda i, j, c: j - i <= c),
+    ("j<c", lambda i, j, c: j < c),
+    ("j>=c", lambda i, j, c: j >= c),
+    ("i>=c", lambda i, j, c: i >= c),
+    ("|i-j|<=c", lambda i, j, c: abs(i - j) <= c),
+)
+
+
+def generated(seed):
+    rng = np.random.default_rng(seed)
+    s_q, s_kv = int(rng.integers(1, 20)), int(rng.integers(1, 20))
+    if rng.random() < 0.5:
+        s_kv = s_q
+    n = int(rng.integers(1, 4))
+    atoms = [(ATOMS[k], int(rng.integers(-3, 12))) for k in rng.integers(0, len(ATOMS), n)]
+    ops = [rng.choice(["&", "|"], p=[0.8, 0.2]) for _ in range(n - 1)]
+
+    def fn(b, h, i, j):
+        (_, f), c = atoms[0]
+        out = f(i, j, c)
+        for ((_, f), c), op in zip(atoms[1:], ops):
+            out = (out & f(i, j, c)) if op == "&" else (out | f(i, j, c))
+        return out
+    text = " ".join([f"{atoms[0][0][0]}[c={atoms[0][1]}]"] + [
+        f"{op} {a[0]}[c={c}]" for (a, c), op in zip(atoms[1:], ops)])
+    return fn, s_q, s_kv, text
+
+
+@pytest.mark.parametrize("chunk", range(8))
+def test_builtin_form_against_exhaustive_search(chunk):
+    found = 0
+    for seed in range(chunk * 60, chunk * 60 + 60):
+        fn, s_q, s_kv, text = generated(seed)
+        m = brute(fn, s_q, s_kv)
+        form = builtin_form(fn, s_q, s_kv)
+        if form is None:
+            assert not exhaustive(m), f"seed {seed}: {text} ({s_q}x{s_kv}) is built-in, not found"
+        else:
+            found += 1
+            assert np.array_equal(dense(s_q, s_kv, *form), m), f"seed {seed}: {text} -> {form}"
+    assert found > 0  # the generator reaches built-in masks, so soundness is exercised
+
+
+@pytest.mark.parametrize("mask,window", [("causal", None), ("causal", (3, 0)),
+                                         ("none", (2, 5)), ("none", (-1, 0))])
+def test_builtin_form_combines_the_calls_own_mask(mask, window):
+    # the call's mask AND a mask_mod: the form of the combination
+    s = 17
+    fn = lambda b, h, i, j: i - j < 6
+    form = builtin_form(fn, s, s, mask, window)
+    expect = dense(s, s, mask, window) & brute(fn, s, s)
+    assert form is not None and np.array_equal(dense(s, s, *form), expect)
+
+
+def test_builtin_form_bottom_right_and_named_shapes():
+    assert builtin_form(lambda b, h, i, j: j <= i + 28, 100, 128) == ("causal_bottom_right", None)
+    assert builtin_form(lambda b, h, i, j: (j <= i) & (i - j < 512), 4096, 4096) == \
+        ("causal", (511, 0))
+    assert builtin_form(lambda b, h, i, j: (j <= i) | (j < 8), 64, 64) is None   # prefix-LM
+    assert builtin_form(lambda b, h, i, j: j < i, 64, 64) is None     # row 0 sees nothing
+    assert builtin_form(lambda b, h, i, j: i // 8 == j // 8, 64, 64) is None  # documents
+
+
+ARGS = dict(batch=2, s=96, h=2, d=32)
+
+
+def _qkv():
+    ks = jax.random.split(jax.random.PRNGKey(1), 3)
+    shape = (ARGS["batch"], ARGS["s"], ARGS["h"], ARGS["d"])
+    return tuple(jax.random.normal(k, shape, jnp.float32) for k in ks)
+
+
+def window_mod(b, h, i, j):
+    return (j <= i) & (i - j < 24)
+
+
+def test_auto_plans_a_window_mask_mod_as_the_window():
+    q, k, v = _qkv()
+    plan = fusedattn.explain(q, k, v, mask_mod=window_mod)
+    assert (plan.config.mask, plan.config.window, plan.config.score_mod) == \
+        ("causal", (23, 0), None)
+    assert "window_mod is mask='causal', window=(23, 0)" in str(plan)
+    forced = fusedattn.explain(q, k, v, mask_mod=window_mod, backend="xla")
+    assert not forced.rewritten and forced.config.score_mod is not None
+
+
+def test_recognised_call_equals_the_call_as_written():
+    q, k, v = _qkv()
+    slopes = jnp.asarray([0.5, -0.25], jnp.float32)
+
+    def score(s, b, h, i, j, t):
+        return s + t[h] * (i - j)
+
+    def mask(b, h, i, j, t):        # takes the args, reads positions only
+        return window_mod(b, h, i, j)
+
+    def loss(backend, q, k, v, t):
+        out = fusedattn.fused_attn(q, k, v, score_mod=score, mask_mod=mask,
+                                   score_mod_args=(t,), backend=backend)
+        return (out * jnp.cos(out)).sum()
+    assert fusedattn.explain(q, k, v, score_mod=score, mask_mod=mask,
+                             score_mod_args=(slopes,)).rewritten
+    got = jax.value_and_grad(lambda *a: loss("auto", *a), argnums=(0, 1, 2, 3))(q, k, v, slopes)
+    want = jax.value_and_grad(lambda *a: loss("xla", *a), argnums=(0, 1, 2, 3))(q, k, v, slopes)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_only_args_are_dropped_with_the_mask_mod():
+    q, k, v = _qkv()
+    t = jnp.zeros((3,), jnp.int32)
+    out = fusedattn.fused_attn(q, k, v, mask_mod=lambda b, h, i, j, t: j <= i,
+                               score_mod_args=(t,))
+    want = fusedattn.fused_attn(q, k, v, mask="causal", backend="xla")
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("name,mod,args", [
+    ("reads an array", lambda b, h, i, j, t: j <= i + t[0], (jnp.zeros((2,), jnp.int32),)),
+    ("reads the head", lambda b, h, i, j: (j <= i) & (h >= 0), ()),
+    ("prefix-LM", lambda b, h, i, j: (j <= i) | (j < 8), ()),
+])
+def test_masks_that_are_not_static_built_ins_run_as_written(name, mod, args):
+    q, k, v = _qkv()
+    plan = fusedattn.explain(q, k, v, mask_mod=mod, score_mod_args=args)
+    assert not plan.rewritten and plan.config.score_mod is not None, name
+
+
+def test_the_rewrite_is_cached_with_the_plan():
+    q, k, v = _qkv()
+    dispatch.clear_cache()
+    first = fusedattn.explain(q, k, v, mask_mod=window_mod)
+    assert fusedattn.explain(q, k, v, mask_mod=window_mod) is first
