@@ -7,8 +7,6 @@ must be sound (a form it returns equals the mask on every pair) and complete (it
 finds one whenever one exists). Then dispatch: the rewritten plan, its explain()
 line, and outputs and gradients equal to the call as written.
 """
-import itertools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
