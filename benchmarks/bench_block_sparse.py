@@ -34,6 +34,7 @@ from benchmarks.common import (device_meta, device_slug, print_table, run_main, 
 import fusedattn
 from fusedattn import block_sparse as bs
 from fusedattn import score_mods
+from fusedattn.dispatch import measure
 from fusedattn.block_sparse.attention import block_sparse_attention
 
 B, S, H, D = 4, 4096, 16, 128
@@ -143,7 +144,7 @@ def route(**options) -> str:
     """What dispatch runs for these options: the backend of each step (and a rewrite)."""
     q = jnp.zeros((B, S, H, D), jnp.bfloat16)
     plan = fusedattn.explain(q, q, q, **options)
-    steps = ({s: plan.rivals.for_step(s) for s in ("inference", "training")}
+    steps = ({s: plan.rivals.for_step(s) for s in measure.STEPS}
              if plan.rivals else plan.chosen)
     return f"{steps}" + (f" ({plan.rewritten})" if plan.rewritten else "")
 

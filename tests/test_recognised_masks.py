@@ -14,9 +14,17 @@ import pytest
 
 import fusedattn
 from fusedattn.block_sparse import builtin
-from fusedattn.block_sparse.recognise import builtin_form
+from fusedattn.block_sparse import recognise
+from fusedattn.block_sparse.terms import ElementMask, MaskMod
 from fusedattn.config import MASKS
 from fusedattn import dispatch
+
+
+def builtin_form(fn, s_q, s_kv, mask="none", window=None):
+    """`recognise.builtin_form` of mask_mod `fn` ANDed with the call's mask / window."""
+    return recognise.builtin_form(ElementMask(
+        [MaskMod.build(fn, (), 1, 1, s_q, s_kv), builtin.intervals(s_q, s_kv, mask, window)],
+        s_q, s_kv))
 
 
 def dense(s_q, s_kv, mask, window):

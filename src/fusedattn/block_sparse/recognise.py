@@ -12,27 +12,27 @@ so the rule for rows that see no key never comes into it.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import numpy as np
 
 from . import builtin
 from .classify import CHUNK_ELEMENTS, host_eval
+from .terms import ElementMask
 
 Form = Tuple[str, Optional[Tuple[int, int]]]   # (mask, window) as `fused_attn` takes them
 # Pairs evaluated at most (about a second of trace time); longer masks are not recognised.
 MAX_ELEMENTS = 1 << 26
 
 
-def builtin_form(mask_mod: Callable, s_q: int, s_kv: int, mask: str = "none",
-                 window=None, args: tuple = ()) -> Optional[Form]:
-    """``(mask, window)`` whose built-in mask equals ``mask_mod`` AND ``mask`` / ``window``
-    on every pair, or None. `mask_mod` must read positions only (`args` are zeros it
-    does not read); masks past `MAX_ELEMENTS` pairs are not evaluated (None)."""
-    if s_q * s_kv > MAX_ELEMENTS:
+def builtin_form(element: ElementMask) -> Optional[Form]:
+    """``(mask, window)`` whose built-in mask equals the static `element` (a mask_mod's
+    term ANDed with the call's own built-in intervals) on every pair, or None. Masks
+    past `MAX_ELEMENTS` pairs are not evaluated (None)."""
+    s_q, s_kv = element.s_q, element.s_kv
+    if not element.static or s_q * s_kv > MAX_ELEMENTS:
         return None
-    rows = _row_intervals(mask_mod, s_q, s_kv, builtin.intervals(s_q, s_kv, mask, window),
-                          args)
+    rows = _row_intervals(element.for_host())
     if rows is None:
         return None
     lo, hi = rows
@@ -44,9 +44,10 @@ def builtin_form(mask_mod: Callable, s_q: int, s_kv: int, mask: str = "none",
     return None
 
 
-def _row_intervals(mask_mod, s_q, s_kv, given, args):
+def _row_intervals(element: ElementMask):
     """Each row's first and last visible key, or None when a row sees no key or a
-    run with a gap. `given`: the call's built-in intervals, ANDed in."""
+    run with a gap."""
+    s_q, s_kv = element.s_q, element.s_kv
     kv = np.arange(s_kv, dtype=np.int32).reshape(1, 1, 1, -1)
     zero = np.zeros((1, 1, 1, 1), np.int32)
     step = max(1, CHUNK_ELEMENTS // s_kv)
@@ -54,9 +55,8 @@ def _row_intervals(mask_mod, s_q, s_kv, given, args):
     for start in range(0, s_q, step):
         q = np.arange(start, min(start + step, s_q), dtype=np.int32)
         with host_eval():
-            vis = np.asarray(mask_mod(zero, zero, q.reshape(1, 1, -1, 1), kv, *args))
+            vis = np.asarray(element(zero, zero, q.reshape(1, 1, -1, 1), kv))
         vis = np.broadcast_to(vis, (1, 1, len(q), s_kv))[0, 0]
-        vis = vis & (kv[0, 0] >= given.lo[0, q, None]) & (kv[0, 0] <= given.hi[0, q, None])
         count = vis.sum(axis=1)
         first = vis.argmax(axis=1)
         last = s_kv - 1 - vis[:, ::-1].argmax(axis=1)

@@ -14,11 +14,11 @@ import dataclasses
 import functools
 from typing import Optional, Tuple
 
-import jax
 import numpy as np
 
-from ..block_sparse.dependence import mask_mod_reads
+from ..block_sparse import builtin
 from ..block_sparse.recognise import builtin_form
+from ..block_sparse.terms import ElementMask, MaskMod
 from ..config import AttnConfig
 from ..inputs import AttnInputs
 from ..score_mods import Masked
@@ -31,13 +31,12 @@ def as_builtin(config: AttnConfig) -> Optional[Tuple[AttnConfig, str]]:
     mod = config.score_mod
     if not isinstance(mod, Masked) or config.has_dense_mask or config.sequence != "dense":
         return None
-    specs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in config.score_mod_arg_specs]
     zeros = tuple(np.zeros(shape, dtype) for shape, dtype in config.score_mod_arg_specs)
-    try:
-        reads = mask_mod_reads(mod.mask_mod, specs, config.batch, config.h_q, config.s_q,
-                               config.s_kv)
-        form = builtin_form(mod.mask_mod, config.s_q, config.s_kv, config.mask,
-                            config.window, zeros) if reads.positions_only else None
+    try:   # (a static map's evaluation: positions only, the unread arguments as zeros)
+        term = MaskMod.build(mod.mask_mod, zeros, config.batch, config.h_q, config.s_q,
+                             config.s_kv)
+        form = builtin_form(ElementMask([term, builtin.intervals(
+            config.s_q, config.s_kv, config.mask, config.window)], config.s_q, config.s_kv))
     except Exception:  # noqa: BLE001 - one the host cannot evaluate runs as written
         return None
     if form is None:
