@@ -13,6 +13,9 @@ rows include building the block map: a mask_mod that reads only positions has a
 static map (built on the host when traced), maps from an id array or a dense mask
 are built on the device inside the timed step. The dense document mask goes through
 the jax.nn drop-in (`fusedattn.dot_product_attention(mask=)`), dispatch included.
+"documents" takes the ids as they come (in any order: a block map); "documents:packed"
+declares the same sorted ids as packed segments (`SequenceDescriptor`, built in the
+step), which run on cuDNN's THD or FA3's variable-length kernels by measurement.
 torch flex_attention (torch.compile, create_block_mask built once outside the timing)
 runs in a child process, timed the same way.
 
@@ -36,6 +39,7 @@ from fusedattn import block_sparse as bs
 from fusedattn import score_mods
 from fusedattn.dispatch import measure
 from fusedattn.block_sparse.attention import block_sparse_attention
+from fusedattn.sequence import SequenceDescriptor
 
 B, S, H, D = 4, 4096, 16, 128
 WINDOW, PREFIX, DOCS = 512, 1024, (512, 1024, 512, 2048)
@@ -83,8 +87,11 @@ def cases():
     def prefix(q, k, v, extra):
         return fusedattn.fused_attn(q, k, v, mask_mod=prefix_mod)
 
-    def documents(q, k, v, ids):
+    def documents(q, k, v, ids):   # ids in any order: a block map built on the device
         return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None))
+
+    def documents_packed(q, k, v, ids):   # sorted ids declared as packed (THD) segments
+        return fusedattn.fused_attn(q, k, v, sequence=_packed(ids))
 
     def documents_dense(q, k, v, dense):   # the jax.nn drop-in, its dispatch included
         return fusedattn.dot_product_attention(q, k, v, mask=dense)
@@ -103,7 +110,7 @@ def cases():
         return block_sparse_attention(q, k, v, bm, score_mod=_t5, score_mod_args=(T5_TABLE,))
 
     return {"sliding_window": window, "sliding_window:block_sparse": window_kernels,
-            "prefix_lm": prefix, "documents": documents,
+            "prefix_lm": prefix, "documents": documents, "documents:packed": documents_packed,
             "documents_dense_mask": documents_dense,
             "sliding_window+alibi:block_sparse": window_alibi,
             "documents+document_scale": documents_scale,
@@ -140,13 +147,22 @@ def plain_causal():
     return f, f"fusedattn auto: {route(mask='causal')}"
 
 
+def _packed(ids):
+    return SequenceDescriptor.from_segment_ids(ids + 1, max_segments=len(DOCS))
+
+
 def route(**options) -> str:
     """What dispatch runs for these options: the backend of each step (and a rewrite)."""
     q = jnp.zeros((B, S, H, D), jnp.bfloat16)
     plan = fusedattn.explain(q, q, q, **options)
-    steps = ({s: plan.rivals.for_step(s) for s in measure.STEPS}
-             if plan.rivals else plan.chosen)
-    return f"{steps}" + (f" ({plan.rewritten})" if plan.rewritten else "")
+    return _steps(plan) + (f" ({plan.rewritten})" if plan.rewritten else "")
+
+
+def _steps(plan) -> str:
+    if plan.groups:   # a call per run of query rows
+        return "; ".join(f"queries {q} x keys {kv}: {_steps(p)}" for q, kv, p in plan.groups)
+    return str({s: plan.rivals.for_step(s) for s in measure.STEPS} if plan.rivals
+               else plan.chosen)
 
 
 def _step(fn, mode, q, k, v, do, extra):
@@ -210,9 +226,11 @@ def main():
     causal_fn, causal_name = plain_causal()
     meta["plain_causal"] = causal_name
     meta["routes"] = {"sliding_window": route(mask_mod=window_mod),
-                      "prefix_lm": route(mask_mod=prefix_mod)}
+                      "prefix_lm": route(mask_mod=prefix_mod),
+                      "documents:packed": route(sequence=_packed(ids))}
     rows = []
-    extras = {"documents": ids, "documents_dense_mask": dense, "documents+document_scale": ids}
+    extras = {"documents": ids, "documents:packed": ids, "documents_dense_mask": dense,
+              "documents+document_scale": ids}
     for name, fn in list(cases().items()) + [("causal", causal_fn)]:
         pairs = _visible_pairs(name)
         impls = {"fusedattn": fn}

@@ -16,8 +16,8 @@ import fusedattn
 from fusedattn.block_sparse import builtin
 from fusedattn.block_sparse import recognise
 from fusedattn.block_sparse.terms import ElementMask, MaskMod
-from fusedattn.config import MASKS
 from fusedattn import dispatch
+from support.generated_masks import brute, dense, exhaustive, generated
 
 
 def builtin_form(fn, s_q, s_kv, mask="none", window=None):
@@ -25,64 +25,6 @@ def builtin_form(fn, s_q, s_kv, mask="none", window=None):
     return recognise.builtin_form(ElementMask(
         [MaskMod.build(fn, (), 1, 1, s_q, s_kv), builtin.intervals(s_q, s_kv, mask, window)],
         s_q, s_kv))
-
-
-def dense(s_q, s_kv, mask, window):
-    iv = builtin.intervals(s_q, s_kv, mask, window)
-    j = np.arange(s_kv)[None, :]
-    return (j >= iv.lo[0][:, None]) & (j <= iv.hi[0][:, None])
-
-
-def all_forms(s_q, s_kv):
-    sides = range(-1, s_kv + 1)
-    for mask in MASKS:
-        for left in sides:
-            for right in ((0,) if mask != "none" else sides):
-                yield mask, (left, right)
-        yield mask, None
-
-
-def brute(fn, s_q, s_kv):
-    i, j = np.arange(s_q)[:, None], np.arange(s_kv)[None, :]
-    return np.broadcast_to(np.asarray(fn(0, 0, i, j)), (s_q, s_kv))
-
-
-def exhaustive(m):
-    """Whether any built-in form equals `m` on every pair (every row seeing a key)."""
-    s_q, s_kv = m.shape
-    return m.any(axis=1).all() and any(
-        np.array_equal(dense(s_q, s_kv, *f), m) for f in all_forms(s_q, s_kv))
-
-
-ATOMS = (  # (name, fn(i, j, c)), c drawn per atom
-    ("j<=i+c", lambda i, j, c: j <= i + c),
-    ("i-j<c", lambda i, j, c: i - j < c),
-    ("j-i<=c", lambda i, j, c: j - i <= c),
-    ("j<c", lambda i, j, c: j < c),
-    ("j>=c", lambda i, j, c: j >= c),
-    ("i>=c", lambda i, j, c: i >= c),
-    ("|i-j|<=c", lambda i, j, c: abs(i - j) <= c),
-)
-
-
-def generated(seed):
-    rng = np.random.default_rng(seed)
-    s_q, s_kv = int(rng.integers(1, 20)), int(rng.integers(1, 20))
-    if rng.random() < 0.5:
-        s_kv = s_q
-    n = int(rng.integers(1, 4))
-    atoms = [(ATOMS[k], int(rng.integers(-3, 12))) for k in rng.integers(0, len(ATOMS), n)]
-    ops = [rng.choice(["&", "|"], p=[0.8, 0.2]) for _ in range(n - 1)]
-
-    def fn(b, h, i, j):
-        (_, f), c = atoms[0]
-        out = f(i, j, c)
-        for ((_, f), c), op in zip(atoms[1:], ops):
-            out = (out & f(i, j, c)) if op == "&" else (out | f(i, j, c))
-        return out
-    text = " ".join([f"{atoms[0][0][0]}[c={atoms[0][1]}]"] + [
-        f"{op} {a[0]}[c={c}]" for (a, c), op in zip(atoms[1:], ops)])
-    return fn, s_q, s_kv, text
 
 
 @pytest.mark.parametrize("chunk", range(8))
@@ -177,7 +119,7 @@ def test_mask_only_args_are_dropped_with_the_mask_mod():
 @pytest.mark.parametrize("name,mod,args", [
     ("reads an array", lambda b, h, i, j, t: j <= i + t[0], (jnp.zeros((2,), jnp.int32),)),
     ("reads the head", lambda b, h, i, j: (j <= i) & (h >= 0), ()),
-    ("prefix-LM", lambda b, h, i, j: (j <= i) | (j < 8), ()),
+    ("a window and sink keys", lambda b, h, i, j: ((j <= i) & (i - j < 8)) | (j < 4), ()),
 ])
 def test_masks_that_are_not_static_built_ins_run_as_written(name, mod, args):
     q, k, v = _qkv()

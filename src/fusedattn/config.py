@@ -83,6 +83,8 @@ class AttnConfig:
     # ragged (small-seq packed keys; s_kv is then the bound on keys per sequence).
     sequence: str = "dense"
     max_segments: int = 1
+    # Packed: the kv segments are the query segments (`SequenceDescriptor.shared_segments`).
+    shared_segments: bool = False
     # score_mod is compared with ==: a function by identity, a built-in score_mod
     # (fusedattn.score_mods: frozen dataclasses) by value; its extra arguments by
     # shape/dtype.

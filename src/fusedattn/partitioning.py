@@ -77,7 +77,7 @@ def input_dims(config: AttnConfig, inputs):
             if ragged and name == "kv_offsets":
                 return Dims((OFFSETS,))
             return Dims((BATCH,) + (None,) * (x.ndim - 1))
-        seq = type(seq)(seq.kind, seq.max_segments,
+        seq = type(seq)(seq.kind, seq.max_segments, seq.shared_segments,
                         **{n: field(n, getattr(seq, n)) for n in type(seq)._FIELDS})
     return AttnInputs(
         q=q, k=None if inputs.k is None else kv, v=None if inputs.v is None else kv,

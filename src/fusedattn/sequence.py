@@ -55,9 +55,13 @@ class SequenceDescriptor:
     _FIELDS = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids",
                "q_positions", "kv_positions", "q_offsets", "kv_offsets")
 
-    def __init__(self, kind: str, max_segments: int = 1, **arrays):
+    def __init__(self, kind: str, max_segments: int = 1, shared_segments: bool = False,
+                 **arrays):
         self.kind = kind
         self.max_segments = max_segments
+        # Packed: the kv segments are the query segments (built from one set of ids or
+        # lengths), so a segment's causal mask aligns alike top-left and bottom-right.
+        self.shared_segments = shared_segments
         for name in self._FIELDS:
             setattr(self, name, arrays.get(name))
         # User-given packed positions, kept (outside the pytree) only so that
@@ -95,7 +99,7 @@ class SequenceDescriptor:
         kv_len, kv_off = _ids_to_lengths_offsets(kv_ids.astype(_INT), max_segments)
         q_pos_derived = _lengths_offsets_to_ids(q_len, q_off, q_ids.shape[-1])[1]
         kv_pos_derived = _lengths_offsets_to_ids(kv_len, kv_off, kv_ids.shape[-1])[1]
-        desc = cls("packed", max_segments,
+        desc = cls("packed", max_segments, kv_segment_ids is None,
                    q_lengths=q_len, kv_lengths=kv_len, q_offsets=q_off, kv_offsets=kv_off,
                    q_segment_ids=q_ids.astype(_INT), kv_segment_ids=kv_ids.astype(_INT),
                    q_positions=q_pos_derived, kv_positions=kv_pos_derived)
@@ -112,6 +116,7 @@ class SequenceDescriptor:
         ``q_len``/``kv_len`` are the row lengths (the tensors' s dimension),
         needed statically to derive segment ids. Unused segments have length 0.
         """
+        shared = kv_seqlens is None and kv_offsets is None and kv_len is None
         q_seqlens = jnp.asarray(q_seqlens).astype(_INT)
         q_offsets = jnp.asarray(q_offsets).astype(_INT)
         kv_seqlens = q_seqlens if kv_seqlens is None else jnp.asarray(kv_seqlens).astype(_INT)
@@ -121,7 +126,7 @@ class SequenceDescriptor:
             raise ValueError(f"q_seqlens must be [batch, max_segments], got shape {q_seqlens.shape}")
         q_ids, q_pos = _lengths_offsets_to_ids(q_seqlens, q_offsets, q_len)
         kv_ids, kv_pos = _lengths_offsets_to_ids(kv_seqlens, kv_offsets, kv_len)
-        return cls("packed", q_seqlens.shape[1],
+        return cls("packed", q_seqlens.shape[1], shared,
                    q_lengths=q_seqlens, kv_lengths=kv_seqlens, q_offsets=q_offsets,
                    kv_offsets=kv_offsets, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
                    q_positions=q_pos, kv_positions=kv_pos)
@@ -140,12 +145,12 @@ class SequenceDescriptor:
 
     # ---- pytree ------------------------------------------------------------
     def tree_flatten(self):
-        return tuple(getattr(self, n) for n in self._FIELDS), (self.kind, self.max_segments)
+        return (tuple(getattr(self, n) for n in self._FIELDS),
+                (self.kind, self.max_segments, self.shared_segments))
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        kind, max_segments = aux
-        return cls(kind, max_segments, **dict(zip(cls._FIELDS, children)))
+        return cls(*aux, **dict(zip(cls._FIELDS, children)))
 
     def __repr__(self) -> str:
         shapes = {n: getattr(getattr(self, n), "shape", None) for n in self._FIELDS

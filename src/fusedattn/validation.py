@@ -431,6 +431,7 @@ def build_call(q, k, v, *, bias=None, sequence=None, mask="none", window=None, s
         bias_shape=bias_shape, dense_mask_shape=dense_mask_shape, scale=float(scale),
         softmax=softmax, dropout=dropout,
         sequence=kind, max_segments=sequence.max_segments if kind == "packed" else 1,
+        shared_segments=kind == "packed" and sequence.shared_segments,
         score_mod=score_mod, score_mod_arg_specs=arg_specs, deterministic=deterministic,
         precision=precision, api=api)
     inputs = AttnInputs(q=q, k=k, v=v, bias=bias, softmax_offset=softmax_offset,

@@ -105,7 +105,6 @@ def test_softcap_score_mod():
 @pytest.mark.parametrize("name, mask_mod, options", [
     ("sliding window with a global first key",
      lambda b, h, i, j: ((j <= i) & (i - j < 128)) | (j == 0), {}),
-    ("prefix-LM", lambda b, h, i, j: (j <= i) | (j < 128), {}),
     ("documents of 128 and causal", lambda b, h, i, j: i // 128 == j // 128,
      dict(mask="causal")),
     ("sliding window and 4 sink keys over 300 tokens",
@@ -130,6 +129,20 @@ def test_fused_attn_runs_built_in_mask_mods_as_the_built_in_mask(name, mask_mod,
     vendor kernel a measurement picks (cuDNN or FA3), and matches the float64 oracle."""
     plan = _check_mask_mod(name, mask_mod, options)
     assert plan.rewritten and plan.chosen in ("cudnn", "flash"), str(plan)
+
+
+@pytest.mark.parametrize("name, mask_mod, options", [
+    ("prefix-LM", lambda b, h, i, j: (j <= i) | (j < 128), {}),
+    ("prefix-LM over 300 tokens", lambda b, h, i, j: (j <= i) | (j < 100), dict(s=300)),
+    ("prefix over longer keys", lambda b, h, i, j: (j <= i + 64) | (j < 200), dict(s_kv=576)),
+])
+def test_fused_attn_runs_prefix_lm_as_a_call_per_run_of_rows(name, mask_mod, options):
+    """Prefix-LM's rows are two built-in masks (the prefix unmasked, the rest
+    bottom-right causal): each runs on the vendor kernel a measurement picks, and the
+    rows put together match the float64 oracle."""
+    plan = _check_mask_mod(name, mask_mod, options)
+    assert plan.strategy == "row_groups", str(plan)
+    assert set(plan._runs()) <= {"cudnn", "flash"}, str(plan)
 
 
 def _check_mask_mod(name, mask_mod, options):

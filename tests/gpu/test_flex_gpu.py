@@ -119,10 +119,11 @@ def _check_against_the_oracle(name, variant, change, case=None):
     built = ac.build(case)
     uq, uk, uv = built.q, built.k, built.v
     plan = fusedattn.explain(uq, uk, uv, **built.options())
-    if (plan.rewritten or plan.chosen != "cudnn") and dict(plan.reasons)["cudnn"] is None:
+    if plan.groups or ((plan.rewritten or plan.chosen != "cudnn")
+                       and dict(plan.reasons)["cudnn"] is None):
         # a backend ahead of cudnn took it (block_sparse, a mask_mod of positions), or
-        # auto ran a built-in mask_mod as that mask: cuDNN's own plan of the call as
-        # written is what is checked here
+        # auto ran a mask_mod as built-in masks (of all rows, or of runs of rows):
+        # cuDNN's own plan of the call as written is what is checked here
         plan = fusedattn.explain(uq, uk, uv, **dict(built.options(), backend="cudnn"))
     if plan.chosen != "cudnn":
         reason = dict(plan.reasons)["cudnn"]

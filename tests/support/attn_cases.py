@@ -41,7 +41,7 @@ class Case:
     window: Optional[Tuple[int, int]] = None
     bias: Optional[Tuple[bool, bool]] = None  # (per batch, per head); None = no bias
     softmax: str = "vanilla"
-    sequence: str = "dense"                   # dense / padding / packed
+    sequence: str = "dense"                   # dense / padding / packed / packed-shared
     max_segments: int = 3
     dropout: float = 0.0
     score_mod: Optional[Callable] = None
@@ -101,6 +101,9 @@ def _sequence(case: Case, rng):
         return (SequenceDescriptor.from_lengths(q_len, kv_len),
                 dict(q_lengths=q_len, kv_lengths=kv_len))
     q_ids, _ = _segment_ids(rng, case.b, case.s_q, case.max_segments)
+    if case.sequence == "packed-shared":   # one set of ids for q and kv (s_q == s_kv)
+        desc = SequenceDescriptor.from_segment_ids(q_ids, max_segments=case.max_segments)
+        return desc, dict(q_segment_ids=q_ids, kv_segment_ids=q_ids)
     kv_ids, _ = _segment_ids(rng, case.b, case.s_kv, case.max_segments)
     desc = SequenceDescriptor.from_segment_ids(q_ids, kv_ids, max_segments=case.max_segments)
     return desc, dict(q_segment_ids=q_ids, kv_segment_ids=kv_ids)

@@ -16,13 +16,14 @@ forward primitive (`flash_attn3_jax.flash_hlo`), the one its own partitioning
 wraps, and its registered backward FFI target "flash_mha_bwd"; the pinned version
 range in pyproject keeps those internal names honest.
 
-What it runs: bf16 / fp16, bshd, separate q, k, v, dense sequences, d_qk == d_v
+What it runs: bf16 / fp16, bshd, separate q, k, v, dense or packed (THD) sequences
+(`flash_varlen`: each segment one of FA3's variable-length sequences), d_qk == d_v
 <= 128 (the package's kernels stop there), GQA, no bias / dropout / score_mod /
 sinks / FP8, not deterministic (FA3's backward accumulates dq with atomics). Its
 causal mask and windows are aligned to the bottom-right corner, so a top-left
-mask or window runs only when s_q == s_kv, and never with s_q > s_kv (rows
-without keys). The LSE it saves is fp32 natural-log ``[b, h_q, s_q]``, the
-contract's.
+mask or window runs only when s_q == s_kv (packed: when the kv segments are the
+query segments), and never with s_q > s_kv (rows without keys). The LSE it saves is
+fp32 natural-log ``[b, h_q, s_q]``, the contract's.
 
 The backward is our own call of the package's registered FFI target
 (`_backward_call`), not its `_flash_mha_bwd_hlo`: that one sizes FA3's two fp32
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from ..config import AttnConfig
-from . import native_op
+from . import flash_varlen, native_op
 from ..inputs import AttnInputs
 
 DTYPES = ("bfloat16", "float16")
@@ -61,9 +62,10 @@ def _forward_kernel():
 _BWD_TILE_ROWS = (64, 80, 96, 128)
 
 
-def _scratch_rows(s_q: int) -> int:
-    """Scratch rows enough for every tile height (at most 127 more than s_q)."""
-    return max(-(-s_q // m) * m for m in _BWD_TILE_ROWS)
+def _scratch_rows(s_q: int, sequences: int = 0) -> int:
+    """Scratch rows enough for every tile height: s_q rounded up, and for varlen calls
+    total tokens plus a tile per sequence, rounded up (FA3's own sizes)."""
+    return max(-(-(s_q + sequences * m) // m) * m for m in _BWD_TILE_ROWS)
 
 
 def _backward_call(config: AttnConfig, d_out, q, k, v, out, lse):
@@ -103,14 +105,15 @@ def availability_reason() -> Optional[str]:
 
 def config_reason(config: AttnConfig) -> Optional[str]:
     """What FA3 cannot do exactly as the contract says, from the config alone."""
-    aligned = config.s_q == config.s_kv or config.bottom_right
+    aligned = (config.shared_segments if config.is_packed else config.s_q == config.s_kv) \
+        or config.bottom_right
     rules = (
         (config.dtype in DTYPES, f"dtype {config.dtype}: FA3 is {'/'.join(DTYPES)} only"),
         (not config.is_fp8, "FP8 runs on cudnn"),
         (config.layout == "bshd", f"layout {config.layout}: FA3 takes bshd"),
         (config.qkv_packing == "separate", "packed qkv / kv: FA3 takes separate q, k, v"),
-        (config.sequence == "dense",
-         f"{config.sequence} sequences: this FA3 binding takes dense batches only"),
+        (config.sequence in ("dense", "packed"),
+         f"{config.sequence} sequences: FA3 runs dense batches and packed segments"),
         (config.d_qk == config.d_v, f"d_qk {config.d_qk} != d_v {config.d_v}"),
         (config.d_qk % 8 == 0, f"head dim {config.d_qk}: FA3's kernels take multiples of 8"),
         (config.d_qk <= MAX_HEAD_DIM,
@@ -122,7 +125,8 @@ def config_reason(config: AttnConfig) -> Optional[str]:
         (not config.deterministic,
          "deterministic: FA3's backward accumulates dq with atomics"),
         (not (config.causal or config.window is not None) or aligned,
-         "a top-left causal mask or window with s_q != s_kv: FA3 aligns them bottom-right"),
+         "a top-left causal mask or window with s_q != s_kv (packed: kv segments of their "
+         "own): FA3 aligns them bottom-right"),
         (not (config.causal or config.window is not None) or config.s_q <= config.s_kv,
          "a mask or window with s_q > s_kv leaves rows without keys, which FA3 does not "
          "zero as the contract says"),
@@ -161,12 +165,20 @@ BACKEND = _FlashBackend()
 # ---- the per-device kernels (native_op partitions and differentiates them) ------------
 def forward(config: AttnConfig, inputs: AttnInputs, training: bool):
     """(out, fp32 lse [b, h_q, s_q] when training)."""
+    if config.is_packed:
+        _forward_kernel()  # registers the targets
+        out, lse = flash_varlen.forward(config, inputs, _mask_args(config))
+        return out, (lse if training else None)
     out, lse = _forward_kernel()(inputs.q, inputs.k, inputs.v, **_mask_args(config))
     return out, (lse if training else None)
 
 
 def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
     """Gradients of q, k, v."""
+    if config.is_packed:
+        d_q, d_k, d_v = flash_varlen.backward(config, inputs, out, lse, d_out.astype(out.dtype),
+                                              _mask_args(config), _scratch_rows)
+        return AttnInputs(q=d_q, k=d_k, v=d_v)
     d_q, d_k, d_v = _backward_call(config, d_out.astype(out.dtype), inputs.q, inputs.k,
                                    inputs.v, out, lse)
     return AttnInputs(q=d_q, k=d_k, v=d_v)

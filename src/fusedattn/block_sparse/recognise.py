@@ -1,4 +1,5 @@
-"""A static mask that is exactly a built-in one: causal, a sliding window, a band.
+"""A static mask that is exactly a built-in one: causal, a sliding window, a band; or
+that is one in each of two runs of query rows.
 
 A mask_mod of positions alone (``(j <= i) & (i - j < 512)``) may describe a mask the
 vendor kernels already run with their own block skipping, through ``mask=`` and
@@ -6,6 +7,11 @@ vendor kernels already run with their own block skipping, through ``mask=`` and
 on the host at trace time (every pair, so the answer is exact, never a guess from a
 few rows) and comparing each row's visible keys with the built-in intervals
 (`builtin.intervals`, the semantics every backend follows).
+
+`row_groups` goes one step further: rows ``[0, t)`` and ``[t, s_q)`` may each be a
+built-in form against a range of keys of their own. Prefix-LM (``(j <= i) | (j <
+P)``) is rows ``[0, P)`` seeing keys ``[0, P)`` unmasked and the rest bottom-right
+causal against every key: two vendor calls whose rows are simply put together.
 
 A mask is recognised only when every row sees one contiguous, non-empty run of keys,
 so the rule for rows that see no key never comes into it.
@@ -21,27 +27,75 @@ from .classify import CHUNK_ELEMENTS, host_eval
 from .terms import ElementMask
 
 Form = Tuple[str, Optional[Tuple[int, int]]]   # (mask, window) as `fused_attn` takes them
+# (query rows [r0, r1), keys [k0, k1), the form of that sub-grid, its own positions)
+Group = Tuple[Tuple[int, int], Tuple[int, int], Form]
 # Pairs evaluated at most (about a second of trace time); longer masks are not recognised.
 MAX_ELEMENTS = 1 << 26
+# Split rows tried at most (each where a row's first or last key changes its step).
+MAX_SPLITS = 24
 
 
 def builtin_form(element: ElementMask) -> Optional[Form]:
     """``(mask, window)`` whose built-in mask equals the static `element` (a mask_mod's
     term ANDed with the call's own built-in intervals) on every pair, or None. Masks
     past `MAX_ELEMENTS` pairs are not evaluated (None)."""
+    groups = row_groups(element, split=False)
+    return groups[0][2] if groups else None
+
+
+def row_groups(element: ElementMask, split: bool = True) -> Optional[Tuple[Group, ...]]:
+    """The static `element` as one built-in form of all rows and keys, else (with
+    `split`) as one or two runs of rows, each a built-in form of a range of keys:
+    groups that together equal the mask on every pair, or None."""
     s_q, s_kv = element.s_q, element.s_kv
     if not element.static or s_q * s_kv > MAX_ELEMENTS:
         return None
-    rows = _row_intervals(element.for_host())
+    rows = _row_intervals(element)
     if rows is None:
         return None
     lo, hi = rows
+    form = _fit(lo, hi, s_kv)
+    if form is not None:
+        return (((0, s_q), (0, s_kv), form),)
+    if not split:
+        return None
+    whole = _group(lo, hi, 0, s_q)   # every row against a narrower range of keys
+    if whole is not None:
+        return (whole,)
+    for t in _splits(lo, hi):
+        groups = (_group(lo, hi, 0, t), _group(lo, hi, t, s_q))
+        if None not in groups:
+            return groups
+    return None
+
+
+def _fit(lo, hi, s_kv) -> Optional[Form]:
+    """The built-in form of rows seeing keys ``[lo, hi]`` of ``s_kv``, or None."""
+    s_q = len(lo)
     # (the causal forms first: backends have fast paths for them)
     for form in sorted(_candidates(lo, hi, s_q, s_kv), key=lambda f: f[0] == "none"):
         iv = builtin.intervals(s_q, s_kv, *form)
         if np.array_equal(iv.lo[0], lo) and np.array_equal(iv.hi[0], hi):
             return form
     return None
+
+
+def _group(lo, hi, r0: int, r1: int) -> Optional[Group]:
+    """Rows [r0, r1) as a built-in form of the keys they see, or None."""
+    k0, k1 = int(lo[r0:r1].min()), int(hi[r0:r1].max()) + 1
+    form = _fit(lo[r0:r1] - k0, hi[r0:r1] - k0, k1 - k0)
+    return None if form is None else ((r0, r1), (k0, k1), form)
+
+
+def _splits(lo, hi) -> Tuple[int, ...]:
+    """Rows to split at: around each row where the first or last key changes its step
+    from the row before; none when there are more than `MAX_SPLITS`."""
+    steps = np.stack([np.diff(lo), np.diff(hi)])
+    changes = 1 + np.flatnonzero((steps[:, 1:] != steps[:, :-1]).any(axis=0))
+    # (a kink row r ends the first run, t = r + 1, or starts the second, t = r)
+    rows = [r + d for r in changes.tolist() for d in (1, 0, 2)]
+    rows = [t for t in dict.fromkeys(rows) if 0 < t < len(lo)]
+    return tuple(rows) if len(rows) <= MAX_SPLITS else ()
 
 
 def _row_intervals(element: ElementMask):

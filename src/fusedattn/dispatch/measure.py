@@ -40,6 +40,7 @@ from .. import plan_cache
 from ..backends import extension, flash
 from ..config import AttnConfig
 from ..inputs import AttnInputs
+from ..sequence import SequenceDescriptor
 from .registry import load_backend
 
 log = logging.getLogger("fusedattn")
@@ -246,12 +247,13 @@ def _measure(config: AttnConfig, candidates: Tuple[str, ...], step: str):
               (config.batch, config.s_kv, config.h_kv, config.d_v),
               (config.batch, config.s_q, config.h_q, config.d_v))  # q, k, v, d_out
     arity = 3 if step == "inference" else 4
+    sequence = _sequence(config)
 
     def timed_step(name):
         backend = load_backend(name)
 
         def attend(q, k, v):
-            return backend.attention(config, AttnInputs(q, k, v))
+            return backend.attention(config, AttnInputs(q, k, v, sequence=sequence))
 
         def train(q, k, v, d_out):
             _, vjp = jax.vjp(attend, q, k, v)
@@ -290,6 +292,26 @@ def _measure(config: AttnConfig, candidates: Tuple[str, ...], step: str):
              ", ".join(f"{name} {sec:.2f}" for name, (_, sec) in done.items()),
              t2 - t1, time.perf_counter() - t2)
     return [(name, best[name]) for name in candidates]
+
+
+def _sequence(config: AttnConfig) -> Optional[SequenceDescriptor]:
+    """A descriptor of the config's kind to time: rows full, a packed row in
+    max_segments segments of equal length (shared by q and kv where the config's are)."""
+    b, n = config.batch, config.max_segments
+    if config.sequence == "padding":
+        return SequenceDescriptor.from_lengths(np.full(b, config.s_q, np.int32),
+                                               np.full(b, config.s_kv, np.int32))
+    if config.sequence != "packed":
+        return None
+
+    def segments(s):
+        lengths = np.full((b, n), s // n, np.int32)
+        lengths[:, -1] += s - lengths.sum(axis=1)
+        return lengths, np.cumsum(lengths, axis=1) - lengths
+    if config.shared_segments:
+        return SequenceDescriptor.from_seqlens_offsets(*segments(config.s_q), q_len=config.s_q)
+    return SequenceDescriptor.from_seqlens_offsets(
+        *segments(config.s_q), *segments(config.s_kv), q_len=config.s_q, kv_len=config.s_kv)
 
 
 def _timed(fn):

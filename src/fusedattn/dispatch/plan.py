@@ -13,6 +13,8 @@ runs, the config it would receive.
 
 Under `auto`, a mask_mod that equals a built-in mask on every pair is planned as that
 mask (`recognised`): the plan's config is then the rewritten one, and explain() says so.
+One whose query rows fall into runs that are each a built-in mask of a range of keys
+(prefix-LM) runs as one call per run, each with a plan of its own (`groups`).
 
 Where backends of a rival group (`measure.RIVALS`: cudnn and flash on CUDA)
 can both run a config, `auto` picks by a measurement on this GPU, separately for
@@ -105,8 +107,11 @@ class Plan:
     measure_note: str = ""
     context_parallel: Optional[object] = None  # a ContextParallel, run by its strategy
     # How `auto` rewrote the call (a mask_mod run as the built-in mask it equals,
-    # `recognised`), or "": `config` is then the rewritten one.
+    # `recognised`), or "": `config` is then the rewritten one, unless `groups` is set.
     rewritten: str = ""
+    # (query rows, key rows, Plan) per run of rows run as a call of its own
+    # (`recognised.as_row_groups`); then `preferred` is None and `reasons` empty.
+    groups: Tuple[Tuple[Tuple[int, int], Tuple[int, int], "Plan"], ...] = ()
 
     @property
     def chosen(self) -> Optional[str]:
@@ -129,8 +134,10 @@ class Plan:
 
     @property
     def strategy(self) -> str:
-        """How `run` executes: "context_parallel", "fp8" (current scaling), "measured"
-        (rivals chosen per step) or "plain"."""
+        """How `run` executes: "row_groups" (a call per run of rows), "context_parallel",
+        "fp8" (current scaling), "measured" (rivals chosen per step) or "plain"."""
+        if self.groups:
+            return "row_groups"
         if self.context_parallel is not None:
             return "context_parallel"
         if self.config.is_fp8:
@@ -139,6 +146,8 @@ class Plan:
 
     def run(self, inputs):
         """Run the call this plan describes on `inputs` (an `AttnInputs`)."""
+        if self.groups:
+            return recognised.run_groups(self.config, self.groups, inputs)
         name = self.require()
         strategy = self.strategy
         inputs = recognised.inputs_for(self.config, inputs)
@@ -154,6 +163,8 @@ class Plan:
     def run_with_lse(self, inputs):
         """(out, lse fp32 [b, h_q, s_q], no gradient through lse) of a plain or measured
         plan (the jax.nn drop-in's return_residual)."""
+        if self.groups:
+            return recognised.run_groups(self.config, self.groups, inputs, with_lse=True)
         name = self.require()
         if self.strategy not in ("plain", "measured"):
             raise UnsupportedError(f"the log-sum-exp is returned by plain calls, not "
@@ -169,6 +180,8 @@ class Plan:
 
     def _runs(self) -> List[str]:
         """The backends this plan runs: the chosen one, or each step's between rivals."""
+        if self.groups:
+            return list(dict.fromkeys(n for *_, p in self.groups for n in p._runs()))
         if self.rivals is not None:
             return list(dict.fromkeys(self.rivals.for_step(s) for s in measure.STEPS))
         return [self.chosen] if self.chosen else []
@@ -205,7 +218,14 @@ class Plan:
 
     def __str__(self) -> str:
         head = f"fusedattn plan on {self.platform} for {self.config.short()}"
-        lines = [head] + ([self.rewritten] if self.rewritten else []) + [self.table()]
+        lines = [head] + ([self.rewritten] if self.rewritten else [])
+        if self.groups:
+            for q_rows, kv_rows, sub in self.groups:
+                lines.append(f"queries [{q_rows[0]}, {q_rows[1]}) x keys [{kv_rows[0]}, "
+                             f"{kv_rows[1]}):")
+                lines += ["    " + line for line in str(sub).splitlines()]
+            return "\n".join(lines)
+        lines.append(self.table())
         if self.rivals is not None:
             lines += ["measured: " + self.rivals.choice(s).describe()
                       for s in measure.STEPS]
@@ -264,6 +284,14 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
     if cached is not None:
         return cached
     rewritten = ""
+    split = (recognised.as_row_groups(config)
+             if requested == "auto" and context_parallel is None else None)
+    if split is not None:
+        calls, rewritten = split
+        groups = tuple((q_rows, kv_rows, plan(sub, "auto", platform))
+                       for q_rows, kv_rows, sub in calls)
+        return _cached(key, Plan(config, platform, requested, None, (),
+                                 rewritten=rewritten, groups=groups))
     if requested == "auto":
         found = recognised.as_builtin(config)
         if found is not None:
@@ -288,13 +316,24 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
     distributed = ""
     if context_parallel is not None:
         distributed = cp_module.describe(config, context_parallel)
-    result = Plan(config, platform, requested, chosen, reasons, distributed, rivals,
-                  measure_note, context_parallel, rewritten)
+    return _cached(key, Plan(config, platform, requested, chosen, reasons, distributed,
+                             rivals, measure_note, context_parallel, rewritten))
+
+
+def _unmeasured(result: Plan) -> str:
+    """The plan's backend, or its rivals (naming them measures nothing)."""
+    if result.rivals is not None:
+        return f"measured per step among {result.rivals.candidates}"
+    return result.preferred or "no backend"
+
+
+def _cached(key, result: Plan) -> Plan:
+    """`result`, kept for `key`; the decision logged the first time."""
     with _plans_lock:
         if key not in _plans:
-            log.info("fusedattn: %s on %s -> %s", config.short(), platform,
-                     f"measured per step among {rivals.candidates}" if rivals
-                     else chosen or "no backend")
+            runs = (f"a call per run of rows ({[_unmeasured(p) for *_, p in result.groups]})"
+                    if result.groups else _unmeasured(result))
+            log.info("fusedattn: %s on %s -> %s", result.config.short(), result.platform, runs)
         _plans[key] = result
     return result
 

@@ -1,12 +1,20 @@
-"""`auto` runs a mask_mod that is exactly a built-in mask as that mask.
+"""`auto` runs a mask_mod that is a built-in mask, or two of them, as that.
 
 ``mask_mod=lambda b, h, i, j: (j <= i) & (i - j < 512)`` is ``mask="causal",
 window=(511, 0)``: cuDNN and FA3 skip that mask's blocks themselves and their
 backward computes fewer products per tile than the block_sparse kernels', so they run
 it faster (`docs/decisions.md`). A mask_mod of positions alone is evaluated on every
-pair at trace time (`block_sparse.recognise`); when it equals a built-in mask, the
-call is planned as that config, the score_mod (if any) kept, and ``explain()`` says
-so. A backend asked for by name gets the call as written.
+pair at trace time (`block_sparse.recognise`):
+
+* when it equals a built-in mask, the call is planned as that config (`as_builtin`),
+  the score_mod (if any) kept;
+* when its query rows fall into one or two runs, each a built-in mask against a range
+  of keys (prefix-LM: rows ``[0, P)`` see keys ``[0, P)``, the rest bottom-right
+  causal), each run is planned as a call of its own and the outputs are put back
+  together row by row (`as_row_groups`, `run_groups`): no merge, since every row is
+  computed by exactly one call, and autodiff adds the key gradients.
+
+``explain()`` says so. A backend asked for by name gets the call as written.
 """
 from __future__ import annotations
 
@@ -14,10 +22,11 @@ import dataclasses
 import functools
 from typing import Optional, Tuple
 
+import jax.numpy as jnp
 import numpy as np
 
 from ..block_sparse import builtin
-from ..block_sparse.recognise import builtin_form
+from ..block_sparse.recognise import Group, row_groups
 from ..block_sparse.terms import ElementMask, MaskMod
 from ..config import AttnConfig
 from ..inputs import AttnInputs
@@ -25,9 +34,8 @@ from ..score_mods import Masked
 
 
 @functools.lru_cache(maxsize=256)
-def as_builtin(config: AttnConfig) -> Optional[Tuple[AttnConfig, str]]:
-    """(the config with the mask_mod as its built-in mask, the line explain() prints),
-    or None when the mask_mod reads more than positions or is no built-in mask."""
+def _groups(config: AttnConfig) -> Optional[Tuple[Group, ...]]:
+    """`row_groups` of the config's static mask_mod ANDed with its mask / window."""
     mod = config.score_mod
     if not isinstance(mod, Masked) or config.has_dense_mask or config.sequence != "dense":
         return None
@@ -35,20 +43,80 @@ def as_builtin(config: AttnConfig) -> Optional[Tuple[AttnConfig, str]]:
     try:   # (a static map's evaluation: positions only, the unread arguments as zeros)
         term = MaskMod.build(mod.mask_mod, zeros, config.batch, config.h_q, config.s_q,
                              config.s_kv)
-        form = builtin_form(ElementMask([term, builtin.intervals(
+        return row_groups(ElementMask([term, builtin.intervals(
             config.s_q, config.s_kv, config.mask, config.window)], config.s_q, config.s_kv))
     except Exception:  # noqa: BLE001 - one the host cannot evaluate runs as written
         return None
-    if form is None:
-        return None
+
+
+def _form_text(form) -> str:
     mask, window = form
+    return f"mask={mask!r}" + (f", window={window}" if window else "")
+
+
+def _name(config: AttnConfig) -> str:
+    return getattr(config.score_mod.mask_mod, "__name__", "mask_mod")
+
+
+def as_builtin(config: AttnConfig) -> Optional[Tuple[AttnConfig, str]]:
+    """(the config with the mask_mod as its built-in mask, the line explain() prints),
+    or None when the mask_mod reads more than positions or is no built-in mask."""
+    groups = _groups(config)
+    if groups is None or len(groups) != 1 or groups[0][1] != (0, config.s_kv):
+        return None
+    (mask, window), mod = groups[0][2], config.score_mod
     rewritten = dataclasses.replace(
         config, mask=mask, window=window, score_mod=mod.score_mod,
         score_mod_arg_specs=config.score_mod_arg_specs if mod.score_mod is not None else ())
-    name = getattr(mod.mask_mod, "__name__", "mask_mod")
-    note = (f"mask_mod {name} is mask={mask!r}" + (f", window={window}" if window else "")
-            + " on every pair (compared at trace time): runs as that built-in mask")
+    note = (f"mask_mod {_name(config)} is {_form_text(groups[0][2])} on every pair "
+            f"(compared at trace time): runs as that built-in mask")
     return rewritten, note
+
+
+def _split_reason(config: AttnConfig) -> Optional[str]:
+    """Why the call cannot run as separate calls over its rows (None if it can)."""
+    rules = ((config.score_mod.score_mod is None, "a score_mod reads the call's positions"),
+             (config.layout in ("bshd", "sbhd") and config.qkv_packing == "separate",
+              "packed q, k, v"),
+             (not config.has_bias, "a bias"), (not config.has_dropout, "dropout"),
+             (not config.is_fp8, "FP8 scales the whole call"))
+    return next((why for ok, why in rules if not ok), None)
+
+
+def as_row_groups(config: AttnConfig):
+    """((query rows, key rows, config of that call) per run of rows, the line explain()
+    prints), or None when the mask_mod is not such runs of built-in masks (or is a
+    single one: `as_builtin`) or the call cannot be split by rows."""
+    groups = _groups(config)
+    if groups is None or as_builtin(config) is not None or _split_reason(config):
+        return None
+    calls = tuple((rows, keys, dataclasses.replace(
+        config, s_q=rows[1] - rows[0], s_kv=keys[1] - keys[0], mask=form[0],
+        window=form[1], score_mod=None, score_mod_arg_specs=()))
+        for rows, keys, form in groups)
+    parts = "; ".join(f"queries [{r[0]}, {r[1]}) against keys [{k[0]}, {k[1]}) with "
+                      f"{_form_text(f)}" for r, k, f in groups)
+    note = (f"mask_mod {_name(config)} is {parts} (compared at trace time): each runs as "
+            f"a call of its own, the rows put back together")
+    return calls, note
+
+
+def run_groups(config: AttnConfig, groups, inputs: AttnInputs, with_lse: bool = False):
+    """The call as one call per group (``(q_rows, kv_rows, plan)``), its rows put back
+    in order: the output (and with `with_lse` the fp32 lse ``[b, h_q, s_q]``)."""
+    axis = config.layout.index("s")
+
+    def rows(x, r):
+        return x[(slice(None),) * axis + (slice(*r),)]
+    results = []
+    for q_rows, kv_rows, plan in groups:
+        part = AttnInputs(q=rows(inputs.q, q_rows), k=rows(inputs.k, kv_rows),
+                          v=rows(inputs.v, kv_rows), softmax_offset=inputs.softmax_offset)
+        results.append(plan.run_with_lse(part) if with_lse else plan.run(part))
+    if not with_lse:
+        return jnp.concatenate(results, axis=axis)
+    return (jnp.concatenate([o for o, _ in results], axis=axis),
+            jnp.concatenate([lse for _, lse in results], axis=2))
 
 
 def inputs_for(config: AttnConfig, inputs: AttnInputs) -> AttnInputs:
