@@ -53,9 +53,9 @@ def _operands(config: AttnConfig, inputs: AttnInputs):
 
 
 def _lse_shape(config: AttnConfig):
-    """The lse buffer of the targets: the package's own varlen shape, [sequences, h,
-    max_seqlen_q], of which the kernels use the first h * b * s_q words as [h, b * s_q]."""
-    return (_sequences(config), config.h_q, config.s_q)
+    """The kernels' varlen lse: [h, total query tokens] (the package's binding allocates
+    [sequences, h, max_seqlen_q], which is larger by the number of sequences)."""
+    return (config.h_q, config.batch * config.s_q)
 
 
 def _sequences(config: AttnConfig) -> int:
@@ -82,7 +82,7 @@ def forward(config: AttnConfig, inputs: AttnInputs, mask):
         is_causal=mask["is_causal"], window_size_left=mask["window_size"][0],
         window_size_right=mask["window_size"][1], attention_chunk=0, softcap=0.0,
         is_rotary_interleaved=False, num_splits=1, sm_margin=0)
-    lse = lse.reshape(-1)[:h * b * s_q].reshape(h, b, s_q).transpose(1, 0, 2)
+    lse = lse.reshape(h, b, s_q).transpose(1, 0, 2)
     return out.reshape(b, s_q, h, -1), lse
 
 
@@ -91,9 +91,7 @@ def backward(config: AttnConfig, inputs: AttnInputs, out, lse, d_out, mask, scra
     b, s_q, h = config.batch, config.s_q, config.h_q
     q, k, v = _flat(inputs.q), _flat(inputs.k), _flat(inputs.v)
     cu_q, cu_k, used_q, used_k = _operands(config, inputs)
-    flat_lse = jnp.transpose(lse, (1, 0, 2)).reshape(-1)
-    size = _sequences(config) * h * s_q
-    flat_lse = jnp.pad(flat_lse, (0, size - flat_lse.size)).reshape(_lse_shape(config))
+    flat_lse = jnp.transpose(lse, (1, 0, 2)).reshape(_lse_shape(config))
     rows = jax.ShapeDtypeStruct((h, scratch_rows(b * s_q, _sequences(config))), _F32)
     results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)] + [rows, rows]
     d_q, d_k, d_v, _, _ = jax.ffi.ffi_call("flash_mha_bwd", results)(
