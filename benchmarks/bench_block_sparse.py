@@ -2,10 +2,11 @@
 maps from ids and dense masks on the block-sparse Mosaic GPU kernels) against
 fusedattn's plain causal attention (dispatch's choice) and torch flex_attention,
 forward and forward+backward, b4 s4096 h16 d128 bf16. Rows named ":block_sparse"
-call `block_sparse_attention` itself, whatever dispatch would pick. Three rows
+call `block_sparse_attention` itself, whatever dispatch would pick. The "+" rows
 compose a score_mod that reads arrays (per-head ALiBi slopes, a learned per-document
 scale, a T5 bias table read by q_idx - kv_idx) with a mask: beside the same mask's
-row they show what the score_mod costs.
+row they show what the score_mod costs (window + ALiBi both through `fused_attn` and
+on the block-sparse kernels by name).
 
 TFLOP/s count visible pairs only (4 * d flops per pair forward, 3.5x that for
 forward+backward), for every row alike, so rows compare as work per second. Our
@@ -97,6 +98,10 @@ def cases():
         return fusedattn.dot_product_attention(q, k, v, mask=dense)
 
     # score_mods reading arrays, composed with the masks above (compare with their rows)
+    def window_alibi_auto(q, k, v, extra):   # dispatch: the built-in window, ALiBi lowered
+        return fusedattn.fused_attn(q, k, v, mask_mod=_window_of_args, score_mod=_alibi,
+                                    score_mod_args=(SLOPES,))
+
     def window_alibi(q, k, v, extra):
         return block_sparse_attention(q, k, v, bs.block_map(window_mod, s_q=S, s_kv=S),
                                       score_mod=_alibi, score_mod_args=(SLOPES,))
@@ -112,6 +117,7 @@ def cases():
     return {"sliding_window": window, "sliding_window:block_sparse": window_kernels,
             "prefix_lm": prefix, "documents": documents, "documents:packed": documents_packed,
             "documents_dense_mask": documents_dense,
+            "sliding_window+alibi": window_alibi_auto,
             "sliding_window+alibi:block_sparse": window_alibi,
             "documents+document_scale": documents_scale,
             "causal+t5_bias:block_sparse": causal_t5}
@@ -120,6 +126,10 @@ def cases():
 SLOPES = jnp.asarray([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)], jnp.float32)
 DOC_SCALE = jnp.linspace(0.8, 1.2, len(DOCS), dtype=jnp.float32)
 T5_TABLE = jnp.asarray(np.random.default_rng(0).normal(size=(H, 32)) * 0.5, jnp.float32)
+
+
+def _window_of_args(b, h, i, j, *args):   # (a mask_mod takes the score_mod's arguments)
+    return window_mod(b, h, i, j)
 
 
 def _alibi(s, b, h, i, j, slopes):          # per-head slopes: a (batch, head) value
@@ -227,7 +237,9 @@ def main():
     meta["plain_causal"] = causal_name
     meta["routes"] = {"sliding_window": route(mask_mod=window_mod),
                       "prefix_lm": route(mask_mod=prefix_mod),
-                      "documents:packed": route(sequence=_packed(ids))}
+                      "documents:packed": route(sequence=_packed(ids)),
+                      "sliding_window+alibi": route(mask_mod=_window_of_args, score_mod=_alibi,
+                                                    score_mod_args=(SLOPES,))}
     rows = []
     extras = {"documents": ids, "documents:packed": ids, "documents_dense_mask": dense,
               "documents+document_scale": ids}
