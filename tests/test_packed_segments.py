@@ -74,3 +74,13 @@ def test_measurement_times_a_descriptor_of_the_configs_kind(kind):
     assert dataclasses.replace(again, score_mod=None) == dataclasses.replace(config, score_mod=None)
     if config.is_packed:
         assert np.asarray(timed.q_lengths).sum(axis=1).tolist() == [8, 8]
+
+
+def test_varlen_sequences_stay_inside_the_rows_whatever_the_lengths():
+    """Traced lengths are checked only when run in checked mode: lengths summing past the
+    row still give sequences inside it (never an access past the tokens)."""
+    starts, used = map(np.asarray, jax.jit(
+        lambda n: flash_varlen._segments(n, 8, 0))(jnp.array([[3, 2], [6, 6]])))
+    assert np.all(np.diff(starts) >= 0) and np.all(used >= 0)
+    assert np.all(starts[:-1] + used <= 16)
+

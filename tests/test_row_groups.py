@@ -107,6 +107,8 @@ def test_auto_plans_prefix_lm_as_two_calls():
     assert "queries [0, 40) against keys [0, 40) with mask='none'" in text, text
     assert "queries [40, 96) x keys [0, 96):" in text and ">> xla" in text, text
     assert fusedattn.explain(q, k, v, mask_mod=prefix_mod) is plan   # cached
+    with pytest.raises(dispatch.UnsupportedError, match="a call per run of query rows"):
+        plan.require()
     forced = fusedattn.explain(q, k, v, mask_mod=prefix_mod, backend="xla")
     assert forced.strategy == "plain" and not forced.rewritten
 

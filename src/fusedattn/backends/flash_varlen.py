@@ -30,9 +30,11 @@ def _segments(lengths, s: int, side: int):
     """(starts [b * (S + 2) + 1], used [b * (S + 2)]) of one side's sequences in the flat
     tokens: a row's segments, then its padding as queries (side 0: used on the query
     side only) and as keys (side 1)."""
-    lengths = jnp.clip(lengths, 0, s).astype(_I32)   # [b, S]
-    b = lengths.shape[0]
-    ends = jnp.cumsum(lengths, axis=1)
+    # (clipped as a running sum: lengths that a traced descriptor gives past the row,
+    # which validation checks only on concrete arrays, never reach beyond it)
+    ends = jnp.clip(jnp.cumsum(jnp.maximum(lengths, 0), axis=1), 0, s).astype(_I32)
+    b = ends.shape[0]
+    lengths = ends - jnp.pad(ends[:, :-1], ((0, 0), (1, 0)))   # [b, S]
     pad = s - ends[:, -1:]
     used = jnp.concatenate([lengths] + [pad if side == i else 0 * pad for i in (0, 1)], 1)
     starts = jnp.concatenate([ends - lengths, ends[:, -1:], ends[:, -1:]], 1)

@@ -92,8 +92,9 @@ def _splits(lo, hi) -> Tuple[int, ...]:
     from the row before; none when there are more than `MAX_SPLITS`."""
     steps = np.stack([np.diff(lo), np.diff(hi)])
     changes = 1 + np.flatnonzero((steps[:, 1:] != steps[:, :-1]).any(axis=0))
-    # (a kink row r ends the first run, t = r + 1, or starts the second, t = r)
-    rows = [r + d for r in changes.tolist() for d in (1, 0, 2)]
+    # (a kink row r ends the first run, t = r + 1, or starts the second, t = r; a first
+    # or last run of one row has no kink to show)
+    rows = [r + d for r in changes.tolist() for d in (1, 0, 2)] + [1, len(lo) - 1]
     rows = [t for t in dict.fromkeys(rows) if 0 < t < len(lo)]
     return tuple(rows) if len(rows) <= MAX_SPLITS else ()
 

@@ -127,7 +127,11 @@ class Plan:
     def require(self) -> str:
         """The backend a plain call runs (the forced or first usable one; between measured
         rivals the preferred one, measuring nothing); UnsupportedError with every reason
-        when none can."""
+        when none can, or when the call runs as several (`groups`)."""
+        if self.groups:
+            raise UnsupportedError(f"{self.config.short()} runs as a call per run of query "
+                                   f"rows ({self._runs()}), not on one backend: Plan.run "
+                                   f"runs it, and each of `groups` names its own plan")
         if self.preferred is None:
             raise UnsupportedError(self.error_message())
         return self.preferred
@@ -208,6 +212,8 @@ class Plan:
                 f"({self.config.short()}) on platform {self.platform}:\n{self.table()}")
 
     def table(self) -> str:
+        if not self.reasons:   # (a call per run of rows: its groups' plans have tables)
+            return ""
         width = max(len(name) for name, _ in self.reasons)
         rows = []
         for name, reason in self.reasons:
