@@ -50,7 +50,7 @@ def row_groups(element: ElementMask, split: bool = True) -> Optional[Tuple[Group
     s_q, s_kv = element.s_q, element.s_kv
     if not element.static or s_q * s_kv > MAX_ELEMENTS:
         return None
-    rows = _row_intervals(element)
+    rows = _row_intervals(element.for_host())
     if rows is None:
         return None
     lo, hi = rows
