@@ -39,14 +39,20 @@ def builtin_form(element: ElementMask) -> Optional[Form]:
     """``(mask, window)`` whose built-in mask equals the static `element` (a mask_mod's
     term ANDed with the call's own built-in intervals) on every pair, or None. Masks
     past `MAX_ELEMENTS` pairs are not evaluated (None)."""
-    groups = row_groups(element, split=False)
-    return groups[0][2] if groups else None
+    return whole_form(row_groups(element), element.s_kv)
 
 
-def row_groups(element: ElementMask, split: bool = True) -> Optional[Tuple[Group, ...]]:
-    """The static `element` as one built-in form of all rows and keys, else (with
-    `split`) as one or two runs of rows, each a built-in form of a range of keys:
-    groups that together equal the mask on every pair, or None."""
+def whole_form(groups: Optional[Tuple[Group, ...]], s_kv: int) -> Optional[Form]:
+    """The form of `row_groups`' answer when it is one form of every row and key."""
+    if groups is None or len(groups) != 1 or groups[0][1] != (0, s_kv):
+        return None
+    return groups[0][2]
+
+
+def row_groups(element: ElementMask) -> Optional[Tuple[Group, ...]]:
+    """The static `element` as one built-in form of all rows and keys, else as one or
+    two runs of rows, each a built-in form of a range of keys: groups that together
+    equal the mask on every pair, or None."""
     s_q, s_kv = element.s_q, element.s_kv
     if not element.static or s_q * s_kv > MAX_ELEMENTS:
         return None
@@ -57,8 +63,6 @@ def row_groups(element: ElementMask, split: bool = True) -> Optional[Tuple[Group
     form = _fit(lo, hi, s_kv)
     if form is not None:
         return (((0, s_q), (0, s_kv), form),)
-    if not split:
-        return None
     whole = _group(lo, hi, 0, s_q)   # every row against a narrower range of keys
     if whole is not None:
         return (whole,)

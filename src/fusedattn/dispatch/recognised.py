@@ -22,11 +22,12 @@ import dataclasses
 import functools
 from typing import Optional, Tuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..block_sparse import builtin
-from ..block_sparse.recognise import Group, row_groups
+from ..block_sparse.recognise import Group, row_groups, whole_form
 from ..block_sparse.terms import ElementMask, MaskMod
 from ..config import AttnConfig
 from ..inputs import AttnInputs
@@ -61,14 +62,14 @@ def _name(config: AttnConfig) -> str:
 def as_builtin(config: AttnConfig) -> Optional[Tuple[AttnConfig, str]]:
     """(the config with the mask_mod as its built-in mask, the line explain() prints),
     or None when the mask_mod reads more than positions or is no built-in mask."""
-    groups = _groups(config)
-    if groups is None or len(groups) != 1 or groups[0][1] != (0, config.s_kv):
+    form = whole_form(_groups(config), config.s_kv)
+    if form is None:
         return None
-    (mask, window), mod = groups[0][2], config.score_mod
+    (mask, window), mod = form, config.score_mod
     rewritten = dataclasses.replace(
         config, mask=mask, window=window, score_mod=mod.score_mod,
         score_mod_arg_specs=config.score_mod_arg_specs if mod.score_mod is not None else ())
-    note = (f"mask_mod {_name(config)} is {_form_text(groups[0][2])} on every pair "
+    note = (f"mask_mod {_name(config)} is {_form_text(form)} on every pair "
             f"(compared at trace time): runs as that built-in mask")
     return rewritten, note
 
@@ -105,13 +106,11 @@ def run_groups(config: AttnConfig, groups, inputs: AttnInputs, with_lse: bool = 
     """The call as one call per group (``(q_rows, kv_rows, plan)``), its rows put back
     in order: the output (and with `with_lse` the fp32 lse ``[b, h_q, s_q]``)."""
     axis = config.layout.index("s")
-
-    def rows(x, r):
-        return x[(slice(None),) * axis + (slice(*r),)]
+    rows = functools.partial(jax.lax.slice_in_dim, axis=axis)
     results = []
     for q_rows, kv_rows, plan in groups:
-        part = AttnInputs(q=rows(inputs.q, q_rows), k=rows(inputs.k, kv_rows),
-                          v=rows(inputs.v, kv_rows), softmax_offset=inputs.softmax_offset)
+        part = AttnInputs(q=rows(inputs.q, *q_rows), k=rows(inputs.k, *kv_rows),
+                          v=rows(inputs.v, *kv_rows), softmax_offset=inputs.softmax_offset)
         results.append(plan.run_with_lse(part) if with_lse else plan.run(part))
     if not with_lse:
         return jnp.concatenate(results, axis=axis)
