@@ -14,9 +14,12 @@ rows include building the block map: a mask_mod that reads only positions has a
 static map (built on the host when traced), maps from an id array or a dense mask
 are built on the device inside the timed step. The dense document mask goes through
 the jax.nn drop-in (`fusedattn.dot_product_attention(mask=)`), dispatch included.
-"documents" takes the ids as they come (in any order: a block map); "documents:packed"
-declares the same sorted ids as packed segments (`SequenceDescriptor`, built in the
-step), which run on cuDNN's THD or FA3's variable-length kernels by measurement.
+"documents" is flex_attention's documents mask_mod, ``ids[b, q] == ids[b, kv]``, through
+`fused_attn` (ids in any order: a block map, its ids counted per block);
+"documents:segment_ids" builds the same map with `block_sparse.from_segment_ids` and
+calls the kernels by name; "documents:packed" declares the same sorted ids as packed
+segments (`SequenceDescriptor`, built in the step), which run on cuDNN's THD or FA3's
+variable-length kernels by measurement.
 torch flex_attention (torch.compile, create_block_mask built once outside the timing)
 runs in a child process, timed the same way.
 
@@ -73,6 +76,10 @@ def prefix_mod(b, h, i, j):
     return (j <= i) | (j < PREFIX)
 
 
+def doc_mod(b, h, i, j, ids):
+    return ids[b, i] == ids[b, j]
+
+
 def cases():
     """name -> fn(q, k, v, extra): `extra` (the ids or the dense mask) is an argument of
     the jitted step, so building its map runs on the device in every call. The mask_mod
@@ -88,7 +95,10 @@ def cases():
     def prefix(q, k, v, extra):
         return fusedattn.fused_attn(q, k, v, mask_mod=prefix_mod)
 
-    def documents(q, k, v, ids):   # ids in any order: a block map built on the device
+    def documents(q, k, v, ids):   # the issue's form: flex's mask_mod reading an id array
+        return fusedattn.fused_attn(q, k, v, mask_mod=doc_mod, score_mod_args=(ids,))
+
+    def documents_ids(q, k, v, ids):   # the same ids through the map builder, by name
         return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None))
 
     def documents_packed(q, k, v, ids):   # sorted ids declared as packed (THD) segments
@@ -115,7 +125,8 @@ def cases():
         return block_sparse_attention(q, k, v, bm, score_mod=_t5, score_mod_args=(T5_TABLE,))
 
     return {"sliding_window": window, "sliding_window:block_sparse": window_kernels,
-            "prefix_lm": prefix, "documents": documents, "documents:packed": documents_packed,
+            "prefix_lm": prefix, "documents": documents,
+            "documents:segment_ids": documents_ids, "documents:packed": documents_packed,
             "documents_dense_mask": documents_dense,
             "sliding_window+alibi": window_alibi_auto,
             "sliding_window+alibi:block_sparse": window_alibi,
@@ -237,11 +248,13 @@ def main():
     meta["plain_causal"] = causal_name
     meta["routes"] = {"sliding_window": route(mask_mod=window_mod),
                       "prefix_lm": route(mask_mod=prefix_mod),
+                      "documents": route(mask_mod=doc_mod, score_mod_args=(ids,)),
                       "documents:packed": route(sequence=_packed(ids)),
                       "sliding_window+alibi": route(mask_mod=_window_of_args, score_mod=_alibi,
                                                     score_mod_args=(SLOPES,))}
     rows = []
-    extras = {"documents": ids, "documents:packed": ids, "documents_dense_mask": dense,
+    extras = {"documents": ids, "documents:segment_ids": ids, "documents:packed": ids,
+              "documents_dense_mask": dense,
               "documents+document_scale": ids}
     for name, fn in list(cases().items()) + [("causal", causal_fn)]:
         pairs = _visible_pairs(name)

@@ -101,6 +101,7 @@ def test_segment_ids_out_of_range_are_conservative(kind, seed):
     """Ids outside [0, s_q + s_kv) in random orders, with and without padding, q ids
     other than kv ids: never full or empty wrongly, and host == device."""
     from fusedattn.block_sparse import classify
+    from fusedattn.block_sparse.documents import documents
     from fusedattn.block_sparse.terms import ElementMask, Segments
     dtype, pool, pad_value = OUT_OF_RANGE[kind]
     rng = np.random.default_rng(seed)
@@ -124,9 +125,10 @@ def test_segment_ids_out_of_range_are_conservative(kind, seed):
     np.testing.assert_array_equal(check_conservative(host, vis), check_conservative(device, vis))
     # The two paths of the classifier itself give the same kinds.
     element = ElementMask([Segments(q_ids, kv_ids, pad)], s_q, s_kv)
-    on_host = classify._segments(element.terms[0], element, block, np)
-    on_device = classify._segments(Segments(jnp.asarray(q_ids), jnp.asarray(kv_ids), pad),
-                                   element, block, jnp)
+    on_host = classify._segments(documents(element.terms[0], element), element, block, np)
+    on_device = classify._segments(
+        documents(Segments(jnp.asarray(q_ids), jnp.asarray(kv_ids), pad), element), element,
+        block, jnp)
     assert isinstance(on_host, np.ndarray)
     np.testing.assert_array_equal(on_host, np.asarray(on_device))
 

@@ -140,11 +140,36 @@ def _host_kind(element: ElementMask, block, key):
     return kind
 
 
-@functools.partial(jax.jit, static_argnums=1)
 def _on_device(element: ElementMask, block: Tuple[int, int]) -> BlockMap:
-    # One compiled program per mask: eager op-by-op dispatch would compile each op.
+    # One compiled program per mask: eager op-by-op dispatch would compile each op. The
+    # element's host arrays (the built-in masks' intervals, say) stay constants of that
+    # program, so its classifier still sees them as known at trace time.
+    leaves, tree = jax.tree_util.tree_flatten(element)
+    host = _HostLeaves(tuple(x if is_host(x) else None for x in leaves))
+    return _device_map(tuple(None if is_host(x) else x for x in leaves), tree, host, block)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _device_map(traced, tree, host, block):
+    element = jax.tree_util.tree_unflatten(
+        tree, [t if h is None else h for t, h in zip(traced, host.leaves)])
     element = with_bits(element)
     return BlockMap.from_kind(classify(element, block, host=False), element, block)
+
+
+class _HostLeaves:
+    """Host arrays as a static argument of `_device_map`: equal by value."""
+
+    def __init__(self, leaves):
+        self.leaves = leaves
+        self._key = tuple(None if x is None else (np.shape(x), np.result_type(x).str,
+                                                  np.asarray(x).tobytes()) for x in leaves)
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, _HostLeaves) and self._key == other._key
 
 
 def _merge_intervals(element: ElementMask) -> ElementMask:

@@ -5,8 +5,10 @@ the host CPU backend, never on an accelerator, and nothing enters the traced
 program). Others run on the device, a group of query blocks at a time
 (`lax.map`), so the largest intermediate is a few query blocks by all keys,
 never the whole ``s_q x s_kv`` grid. Three shapes skip the element-wise work:
-per-row key intervals (the built-in masks) need O(s_q x key blocks), segment ids
-need a per-block count of each id, reduced mod ``s_q + s_kv`` (`_segments`), and a
+per-row key intervals (the built-in masks) need O(s_q x key blocks); documents
+masks (segment ids, or a mask_mod equal to them: `documents`) need a per-block count
+of each id, reduced mod ``s_q + s_kv`` (`_segments`), also when ANDed with static
+intervals, whose cut blocks alone are evaluated pair by pair (`_counted`); and a
 dense mask is reduced as it is (it is already ``s_q x s_kv``).
 """
 from __future__ import annotations
@@ -20,7 +22,8 @@ import numpy as np
 
 from .block_map import EMPTY, FULL, PARTIAL
 from .kernel_mask import kinds_of_bits
-from .terms import Dense, ElementMask, Intervals, Segments
+from .documents import Documents, documents
+from .terms import Dense, ElementMask, Intervals
 
 # Booleans per step of the block loop (host chunks and device lax.map batches).
 CHUNK_ELEMENTS = 1 << 24
@@ -45,11 +48,9 @@ def classify(element: ElementMask, block: Tuple[int, int], host: bool):
     terms = element.terms
     if len(terms) == 1 and isinstance(terms[0], Dense):
         return _dense(terms[0], element, block, np if host else jnp)
-    if len(terms) == 1 and isinstance(terms[0], Segments):
-        n_ids = element.s_q + element.s_kv
-        if element.batch * n_ids * -(-max(element.s_q, element.s_kv) // min(block)) \
-                <= MAX_SEGMENT_TABLE:
-            return _segments(terms[0], element, block, np if host else jnp)
+    counted = _counted(element, block, np if host else jnp)
+    if counted is not None:
+        return counted
     if len(terms) == 1 and isinstance(terms[0], Intervals):
         fn = _interval_fn(terms[0], element, block, np if host else jnp)
     else:
@@ -154,22 +155,78 @@ def _dense(term: Dense, element: ElementMask, block, xp):
     return xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY)).astype(np.int32)
 
 
-def _segments(term: Segments, element: ElementMask, block, xp):
-    """Kinds of a documents mask without its pairs. Each block counts its (non-pad)
-    ids by rank ``id mod (s_q + s_kv)``, and a block pair is touched when the product
+def _counted(element: ElementMask, block, xp):
+    """The kinds of a documents mask (`documents`) alone, or ANDed with static per-row
+    intervals (``mask="causal"``, a window), from ids counted per block; None for any
+    other mask, or a table past `MAX_SEGMENT_TABLE`. With intervals, a block they cover
+    takes the documents' kind, one they miss is empty, and the few they cut (known at
+    trace time) are evaluated pair by pair, so the AND stays exact."""
+    terms = element.terms
+    intervals = terms[1] if len(terms) == 2 and isinstance(terms[1], Intervals) else None
+    if len(terms) != 1 and (intervals is None or not intervals.static
+                            or np.shape(intervals.lo)[0] != 1):
+        return None
+    docs = documents(terms[0], element)
+    n_ids = element.s_q + element.s_kv
+    if docs is None or element.batch * n_ids * -(-max(element.s_q, element.s_kv) //
+                                                 min(block)) > MAX_SEGMENT_TABLE:
+        return None
+    if intervals is None:
+        return _segments(docs, element, block, xp)
+    cut = classify(ElementMask([intervals], element.s_q, element.s_kv), block, host=True)
+    tiles = np.argwhere(cut[0, 0] == PARTIAL)                  # [n, 2]: (query, key block)
+    if element.batch * len(tiles) * block[0] * block[1] > 4 * CHUNK_ELEMENTS:
+        return None
+    kinds = xp.where(cut == FULL, _segments(docs, element, block, xp), EMPTY)
+    if len(tiles):
+        exact = _tile_kinds(docs, intervals, element, tiles, block, xp)    # [B, n]
+        if xp is np:
+            kinds[:, 0, tiles[:, 0], tiles[:, 1]] = exact
+        else:
+            kinds = kinds.at[:, 0, tiles[:, 0], tiles[:, 1]].set(exact)
+    return kinds.astype(np.int32)
+
+
+def _tile_kinds(docs: Documents, intervals: Intervals, element: ElementMask, tiles, block, xp):
+    """The kinds of the listed (query block, key block) tiles of documents ANDed with
+    intervals, every pair evaluated: ``[B, n]``."""
+    bq, bk = block
+    s_q, s_kv, B = element.s_q, element.s_kv, element.batch
+    rows = tiles[:, :1] * bq + np.arange(bq)                              # [n, bq]
+    cols = tiles[:, 1:] * bk + np.arange(bk)                              # [n, bk]
+    real = (rows < s_q)[:, :, None] & (cols < s_kv)[:, None, :]
+    rows, cols = np.minimum(rows, s_q - 1), np.minimum(cols, s_kv - 1)
+    lo, hi = np.asarray(intervals.lo)[0][rows], np.asarray(intervals.hi)[0][rows]
+    vis = real & (cols[:, None, :] >= lo[:, :, None]) & (cols[:, None, :] <= hi[:, :, None])
+
+    def side(x, at):   # [B|1, s] -> [B, n, size]
+        return xp.broadcast_to(xp.asarray(x), (B, np.shape(x)[1]))[:, at]
+    same = side(docs.q_ids, rows)[:, :, :, None] == side(docs.kv_ids, cols)[:, :, None, :]
+    if docs.q_valid is not None:
+        same = same & side(docs.q_valid, rows)[:, :, :, None]
+    if docs.kv_valid is not None:
+        same = same & side(docs.kv_valid, cols)[:, :, None, :]
+    vis = same & vis[None]
+    any_, all_ = vis.any(axis=(2, 3)), vis.all(axis=(2, 3))
+    return xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY))
+
+
+def _segments(docs: Documents, element: ElementMask, block, xp):
+    """Kinds of a documents mask without its pairs. Each block counts its valid ids
+    by rank ``id mod (s_q + s_kv)``, and a block pair is touched when the product
     of two blocks' counts is non-zero; full when both blocks hold one raw id, the
-    same, with no padding and no overhang.
+    same, all valid and with no overhang.
 
     Exact when ids lie in ``[0, s_q + s_kv)``, as segment ids are made (0..n_docs,
     0 the padding): the rank is then the id. Other ids may share a rank, so a pair
     of blocks sharing no id may be touched: partial instead of empty, which is safe
-    (partial blocks apply the element mask). Full and the padding test read raw ids,
-    so a block is never full, nor empty, wrongly."""
+    (partial blocks apply the element mask). Full and validity read raw ids, so a
+    block is never full, nor empty, wrongly."""
     bq, bk = block
     s_q, s_kv = element.s_q, element.s_kv
-    B = term.batch
-    q = xp.broadcast_to(xp.asarray(term.q_ids), (B, s_q))
-    kv = xp.broadcast_to(xp.asarray(term.kv_ids), (B, s_kv))
+    B = max(np.shape(docs.q_ids)[0], np.shape(docs.kv_ids)[0])
+    q = xp.broadcast_to(xp.asarray(docs.q_ids), (B, s_q))
+    kv = xp.broadcast_to(xp.asarray(docs.kv_ids), (B, s_kv))
     # One promoted dtype for both sides, so raw ids compare as one array would.
     ids = xp.concatenate([q, kv], axis=1)
     q, kv = ids[:, :s_q], ids[:, s_q:]
@@ -179,10 +236,11 @@ def _segments(term: Segments, element: ElementMask, block, xp):
     wide = ids if ids.dtype.itemsize >= 4 else ids.astype(np.int32)
     rank = xp.mod(wide, n_ids).astype(np.int32)
 
-    def per_block(rank, ids, size):
+    def per_block(rank, ids, valid, size):
         s = ids.shape[1]
         n = -(-s // size)
-        valid = xp.ones((B, s), bool) if term.pad_id is None else ids != term.pad_id
+        valid = xp.ones((B, s), bool) if valid is None else \
+            xp.broadcast_to(xp.asarray(valid), (B, s))
         counts = _scatter_add(xp, (B, n, n_ids),
                               (xp.arange(B)[:, None], xp.arange(s)[None, :] // size, rank),
                               valid.astype(np.float32))
@@ -192,8 +250,8 @@ def _segments(term: Segments, element: ElementMask, block, xp):
         one_id = whole & (raw.min(axis=2) == raw.max(axis=2))
         return counts, one_id, raw[:, :, 0]
 
-    cq, q_one, q_id = per_block(rank[:, :s_q], q, bq)
-    ck, kv_one, kv_id = per_block(rank[:, s_q:], kv, bk)
+    cq, q_one, q_id = per_block(rank[:, :s_q], q, docs.q_valid, bq)
+    ck, kv_one, kv_id = per_block(rank[:, s_q:], kv, docs.kv_valid, bk)
     any_ = xp.einsum("bqr,bkr->bqk", cq, ck) > 0
     all_ = q_one[:, :, None] & kv_one[:, None, :] & (q_id[:, :, None] == kv_id[:, None, :])
     kinds = xp.where(all_, FULL, xp.where(any_, PARTIAL, EMPTY)).astype(np.int32)

@@ -56,7 +56,7 @@ class Kind(NamedTuple):
 MASK = Kind("mask_mod", (_B, _H, _Q, _KV), heads=False, floats=False)
 SCORE = Kind("score_mod", (_S, _B, _H, _Q, _KV), heads=True, floats=True)
 
-_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
+SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
                          "copy_p"})
 _ELEMENTWISE = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "add", "sub", "mul", "div",
@@ -109,6 +109,12 @@ class Hoisted:
         self.by_position = bool(diags) or \
             any(v.aval.shape[2:3] not in ((), (1,)) for v in rows) or \
             any(v.aval.shape[3:4] not in ((), (1,)) for v in cols)
+
+    @property
+    def in_kernel(self):
+        """(the equations run on tiles, in order; the row values and the column values
+        they read; the result): the function as the kernels evaluate it."""
+        return self._kernel, self._rows, self._cols, self._out
 
     @property
     def runs(self) -> Optional[Runs]:
@@ -306,7 +312,7 @@ def _program(fn, kind, arg_specs, batch, heads, s_q, s_kv):
         for v in e.ins:
             d |= 0 if isinstance(v, Literal) else dep[v]
         ins = [None if isinstance(v, Literal) else same.get(v) for v in e.ins]
-        if ins[:1] != [None] and (e.prim.name in _SHAPE_ONLY or e.prim.name ==
+        if ins[:1] != [None] and (e.prim.name in SHAPE_ONLY or e.prim.name ==
                                   "convert_element_type" and e.outs[0].aval.dtype in _EXACT):
             same[e.outs[0]] = ins[0]
         elif e.prim.name == "sub" and sorted(x or 0 for x in ins) == [_Q, _KV]:
@@ -324,7 +330,7 @@ def _pointwise(e: Eqn, dep, dims) -> bool:
     """Whether each output element at index position (b, h, q, kv) comes from the
     inputs' elements at that position alone (what keeps a value of q_idx - kv_idx one)."""
     name = e.prim.name
-    if name in _SHAPE_ONLY:   # (jnp indexing adds a trailing axis to its index arrays)
+    if name in SHAPE_ONLY:   # (jnp indexing adds a trailing axis to its index arrays)
         src, dst = e.ins[0].aval.shape, e.outs[0].aval.shape
         if name == "broadcast_in_dim":
             return len(src) == 0 or len(src) >= 4 and \
@@ -365,7 +371,7 @@ def _read(env, v, wide=False):
 def _on_tiles(e: Eqn, ins):
     """One equation on tiles (8-bit integers held as int32: see `_narrow`)."""
     name, dt, params = e.prim.name, e.outs[0].aval.dtype, e.params
-    if name in _SHAPE_ONLY:
+    if name in SHAPE_ONLY:
         return ins[0]
     if name == "convert_element_type" and _narrow(dt):
         params = dict(params, new_dtype=np.dtype(np.int32))
@@ -396,7 +402,7 @@ def _wrap(x, dtype):
 
 
 def _in_kernel(e: Eqn) -> bool:
-    return e.prim.name in _ELEMENTWISE or e.prim.name in _SHAPE_ONLY
+    return e.prim.name in _ELEMENTWISE or e.prim.name in SHAPE_ONLY
 
 
 def _slice(eqns, targets, stop=frozenset()):
@@ -455,7 +461,7 @@ def _keeps_layout(e: Eqn, dims) -> bool:
                for s in (v.aval.shape for v in e.outs + e.ins)):
         return False
     src, dst = e.ins[0].aval.shape, e.outs[0].aval.shape
-    return (e.prim.name not in _SHAPE_ONLY or len(src) == 0 or src == dst
+    return (e.prim.name not in SHAPE_ONLY or len(src) == 0 or src == dst
             or int(np.prod(src)) == 1 or e.prim.name == "broadcast_in_dim"
             and tuple(e.params["broadcast_dimensions"]) == (0, 1, 2, 3))
 
