@@ -135,3 +135,19 @@ def test_documents_mask_mod_is_counted_inside_jit(monkeypatch):
     check_ids = np.asarray(ids)
     want = bs.from_segment_ids(check_ids, pad_id=None, block=(64, 64)).kind
     np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_flags_may_vary_by_batch_where_ids_do_not():
+    """Ids shared by the batch ([1, s]) with a per-batch validity: the counted map
+    broadcasts every array to the batch that varies, alone and with causal."""
+    rng = np.random.default_rng(5)
+    ids = np.repeat(np.arange(3), [50, 70, 80])[None].astype(np.int32)     # [1, 200]
+    keep = rng.random((3, 200)) < 0.8
+
+    def doc(b, h, i, j, ids, keep):
+        return (ids[0 * b, i] == ids[0 * b, j]) & keep[b, i]
+    args = (jnp.asarray(ids), jnp.asarray(keep))
+    for mask in ("none", "causal"):
+        bm = bs.block_map(doc, 3, 1, 200, 200, args=args, block=(32, 64), mask=mask)
+        vis = _brute(doc, 3, 200, 200, (ids, keep)) & band(200, 200, mask)[None, None]
+        check(bm, vis)

@@ -144,9 +144,14 @@ def _on_device(element: ElementMask, block: Tuple[int, int]) -> BlockMap:
     # One compiled program per mask: eager op-by-op dispatch would compile each op. The
     # element's host arrays (the built-in masks' intervals, say) stay constants of that
     # program, so its classifier still sees them as known at trace time.
+    # (Large host arrays, a dense mask say, stay arguments: not hashed, not embedded.)
     leaves, tree = jax.tree_util.tree_flatten(element)
-    host = _HostLeaves(tuple(x if is_host(x) else None for x in leaves))
-    return _device_map(tuple(None if is_host(x) else x for x in leaves), tree, host, block)
+    keep = [is_host(x) and np.size(x) <= _MAX_CONSTANT for x in leaves]
+    host = _HostLeaves(tuple(x if k else None for x, k in zip(leaves, keep)))
+    return _device_map(tuple(None if k else x for x, k in zip(leaves, keep)), tree, host, block)
+
+
+_MAX_CONSTANT = 1 << 20   # elements of a host array kept as a constant of a device map
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))

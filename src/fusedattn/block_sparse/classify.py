@@ -191,7 +191,7 @@ def _tile_kinds(docs: Documents, intervals: Intervals, element: ElementMask, til
     """The kinds of the listed (query block, key block) tiles of documents ANDed with
     intervals, every pair evaluated: ``[B, n]``."""
     bq, bk = block
-    s_q, s_kv, B = element.s_q, element.s_kv, element.batch
+    s_q, s_kv, B = element.s_q, element.s_kv, docs.batch
     rows = tiles[:, :1] * bq + np.arange(bq)                              # [n, bq]
     cols = tiles[:, 1:] * bk + np.arange(bk)                              # [n, bk]
     real = (rows < s_q)[:, :, None] & (cols < s_kv)[:, None, :]
@@ -224,7 +224,7 @@ def _segments(docs: Documents, element: ElementMask, block, xp):
     block is never full, nor empty, wrongly."""
     bq, bk = block
     s_q, s_kv = element.s_q, element.s_kv
-    B = max(np.shape(docs.q_ids)[0], np.shape(docs.kv_ids)[0])
+    B = docs.batch
     q = xp.broadcast_to(xp.asarray(docs.q_ids), (B, s_q))
     kv = xp.broadcast_to(xp.asarray(docs.kv_ids), (B, s_kv))
     # One promoted dtype for both sides, so raw ids compare as one array would.

@@ -23,6 +23,11 @@ class Documents(NamedTuple):
     q_valid: Optional[object]   # [B|1, s_q] bool, or None: every row is valid
     kv_valid: Optional[object]  # [B|1, s_kv] bool, or None
 
+    @property
+    def batch(self) -> int:
+        """The batch all four broadcast to (each may be 1)."""
+        return max(np.shape(x)[0] for x in self if x is not None)
+
 
 def documents(term, element: ElementMask) -> Optional[Documents]:
     """The ids of `term` if it is a documents mask, else None."""
