@@ -113,6 +113,25 @@ def test_auto_plans_prefix_lm_as_two_calls():
     assert forced.strategy == "plain" and not forced.rewritten
 
 
+def test_explain_gives_each_run_of_rows_its_split_over_sharded_inputs():
+    """Sharded arrays: each run of rows is a call of its own, split by batch / heads
+    as its plan says (the sub-calls' lengths in the per-device shapes)."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sds = jax.ShapeDtypeStruct((4, 96, 8, 32), jnp.float32,
+                               sharding=NamedSharding(mesh, P("dp", None, "tp")))
+    plan = fusedattn.explain(sds, sds, sds, mask_mod=prefix_mod)
+    assert plan.strategy == "row_groups"
+    text = str(plan)
+    assert "queries [0, 40) x keys [0, 40): sharding over mesh" in text, text
+    assert "queries [40, 96) x keys [0, 96): sharding over mesh" in text, text
+    assert "each device runs b2 h2/2 (sq40 skv40)" in text, text
+    assert "each device runs b2 h2/2 (sq56 skv96)" in text, text
+    plain = fusedattn.explain(*(jax.ShapeDtypeStruct(sds.shape, sds.dtype) for _ in range(3)),
+                              mask_mod=prefix_mod)
+    assert plain.distributed == ""   # (no sharding: no distributed plan)
+
+
 CASES = {
     "prefix-LM": dict(mask_mod=prefix_mod),
     "prefix-LM, GQA, sbhd": dict(mask_mod=prefix_mod, h_kv=2, layout="sbhd"),

@@ -99,18 +99,33 @@ def explain(q, k, v, *, backend: str = "auto", context_parallel=None, **options)
     config, inputs = build_call(q, k, v, **options)
     cp = _check_context_parallel(context_parallel)
     plan = dispatch.plan(config, backend, context_parallel=cp)
-    if cp is not None or plan.chosen is None:
+    if cp is not None:
         return plan
-    config = dispatch.config_for(config, plan.chosen)  # (a dense mask as the backend takes it)
+    if plan.groups:   # a call per run of rows: each splits as its own plan says
+        parts = [(q_rows, kv_rows, _distributed(sub, inputs)) for q_rows, kv_rows, sub
+                 in plan.groups]
+        text = "\n".join(f"queries [{q_rows[0]}, {q_rows[1]}) x keys [{kv_rows[0]}, "
+                         f"{kv_rows[1]}): {d}" for q_rows, kv_rows, d in parts if d)
+        return dataclasses.replace(plan, distributed=text) if text else plan
+    text = _distributed(plan, inputs)
+    return dataclasses.replace(plan, distributed=text) if text else plan
+
+
+def _distributed(plan: dispatch.Plan, inputs) -> str:
+    """The batch / head split of `plan`'s call over the inputs' shardings ("" when the
+    arrays carry none, or no backend runs the call). The split reads each array's
+    dims by role, so the full arrays describe a call on a run of their rows too."""
+    if plan.chosen is None:
+        return ""
+    config = dispatch.config_for(plan.config, plan.chosen)  # (a dense mask as it is taken)
     names, dims, arrays = zip(*_held(partitioning.input_dims(config, inputs._replace(rng=None)),
                                      inputs))
     found = partitioning.named_specs(arrays)
     if found is None:
-        return plan
+        return ""
     mesh_shape, specs = found
     split = partitioning.decide(config, mesh_shape, list(zip(names, dims, specs)))
-    return dataclasses.replace(plan, distributed=partitioning.describe(
-        config, mesh_shape, split, plan.chosen))
+    return partitioning.describe(config, mesh_shape, split, plan.chosen)
 
 
 def _held(dims, inputs):

@@ -230,7 +230,7 @@ class Plan:
                 lines.append(f"queries [{q_rows[0]}, {q_rows[1]}) x keys [{kv_rows[0]}, "
                              f"{kv_rows[1]}):")
                 lines += ["    " + line for line in str(sub).splitlines()]
-            return "\n".join(lines)
+            return "\n".join(lines + ([self.distributed] if self.distributed else []))
         lines.append(self.table())
         if self.rivals is not None:
             lines += ["measured: " + self.rivals.choice(s).describe()
