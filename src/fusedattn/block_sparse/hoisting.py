@@ -57,7 +57,7 @@ MASK = Kind("mask_mod", (_B, _H, _Q, _KV), heads=False, floats=False)
 SCORE = Kind("score_mod", (_S, _B, _H, _Q, _KV), heads=True, floats=True)
 
 SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
-                         "copy_p"})
+                        "copy_p"})
 _ELEMENTWISE = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "add", "sub", "mul", "div",
     "rem", "neg", "abs", "sign", "max", "min", "select_n", "clamp", "convert_element_type",
