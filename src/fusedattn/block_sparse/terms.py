@@ -62,7 +62,8 @@ class MaskMod:
     def without_args(self) -> "MaskMod":
         """The same function with zeros for its arguments: what a static map is
         evaluated with at trace time (the arguments may be tracers it never reads)."""
-        zeros = tuple(np.zeros(np.shape(a), np.result_type(a)) for a in self.args)
+        zeros = tuple(np.zeros(np.shape(a), np.result_type(a) if is_host(a) else a.dtype)
+                      for a in self.args)
         return MaskMod(self.fn, zeros, self.q_pos, self.kv_pos, reads=self.reads,
                        batch=self.batch, heads=self.heads)
 
