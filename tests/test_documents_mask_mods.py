@@ -12,7 +12,7 @@ from fusedattn import block_sparse as bs
 from fusedattn.block_sparse import classify
 from support.block_map_reference import band, check
 
-# Factors of a generated mask_mod: (name, fn(b, i, j, a, c, k), a documents factor?).
+# Factors of a generated mask_mod: (name, fn(b, i, j, a, c, k)).
 # `a` is read by query rows, `c` by key columns; `k` a drawn constant.
 EQUALITIES = (
     ("a[q]==c[kv]", lambda b, i, j, a, c, k: a[b, i] == c[b, j]),
