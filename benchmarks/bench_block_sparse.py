@@ -13,11 +13,15 @@ forward+backward), for every row alike, so rows compare as work per second. Our
 rows include building the block map: a mask_mod that reads only positions has a
 static map (built on the host when traced), maps from an id array or a dense mask
 are built on the device inside the timed step. The dense document mask goes through
-the jax.nn drop-in (`fusedattn.dot_product_attention(mask=)`), dispatch included.
+the jax.nn drop-in (`fusedattn.dot_product_attention(mask=)`), dispatch included;
+"causal_dense_mask" gives it the causal mask (as Flax's `make_causal_mask`; its torch
+column is torch's causal row).
 "documents" is flex_attention's documents mask_mod, ``ids[b, q] == ids[b, kv]``, through
 `fused_attn` (ids in any order: a block map, its ids counted per block);
 "documents:segment_ids" builds the same map with `block_sparse.from_segment_ids` and
-calls the kernels by name; "documents:packed" declares the same sorted ids as packed
+calls the kernels by name; "documents_causal" is flex's causal documents mask_mod,
+``(ids[b, q] == ids[b, kv]) & (kv <= q)`` (its map counts ids, the diagonal's blocks
+evaluated pair by pair); "documents:packed" declares the same sorted ids as packed
 segments (`SequenceDescriptor`, built in the step), which run on cuDNN's THD or FA3's
 variable-length kernels by measurement.
 torch flex_attention (torch.compile, create_block_mask built once outside the timing)
@@ -65,6 +69,8 @@ def _visible_pairs(name):
     else:
         ids = _doc_ids()[0]
         m = ids[:, None] == ids[None, :]
+        if name.startswith("documents_causal"):
+            m &= j <= i
     return int(m.sum()) * B * H
 
 
@@ -78,6 +84,10 @@ def prefix_mod(b, h, i, j):
 
 def doc_mod(b, h, i, j, ids):
     return ids[b, i] == ids[b, j]
+
+
+def doc_causal_mod(b, h, i, j, ids):
+    return (ids[b, i] == ids[b, j]) & (j <= i)
 
 
 def cases():
@@ -98,6 +108,9 @@ def cases():
     def documents(q, k, v, ids):   # the issue's form: flex's mask_mod reading an id array
         return fusedattn.fused_attn(q, k, v, mask_mod=doc_mod, score_mod_args=(ids,))
 
+    def documents_causal(q, k, v, ids):   # flex's causal documents mask_mod
+        return fusedattn.fused_attn(q, k, v, mask_mod=doc_causal_mod, score_mod_args=(ids,))
+
     def documents_ids(q, k, v, ids):   # the same ids through the map builder, by name
         return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None))
 
@@ -105,6 +118,9 @@ def cases():
         return fusedattn.fused_attn(q, k, v, sequence=_packed(ids))
 
     def documents_dense(q, k, v, dense):   # the jax.nn drop-in, its dispatch included
+        return fusedattn.dot_product_attention(q, k, v, mask=dense)
+
+    def causal_dense(q, k, v, dense):   # the same with the causal mask (Flax's, say)
         return fusedattn.dot_product_attention(q, k, v, mask=dense)
 
     # score_mods reading arrays, composed with the masks above (compare with their rows)
@@ -127,7 +143,8 @@ def cases():
     return {"sliding_window": window, "sliding_window:block_sparse": window_kernels,
             "prefix_lm": prefix, "documents": documents,
             "documents:segment_ids": documents_ids, "documents:packed": documents_packed,
-            "documents_dense_mask": documents_dense,
+            "documents_dense_mask": documents_dense, "documents_causal": documents_causal,
+            "causal_dense_mask": causal_dense,
             "sliding_window+alibi": window_alibi_auto,
             "sliding_window+alibi:block_sparse": window_alibi,
             "documents+document_scale": documents_scale,
@@ -208,6 +225,7 @@ cases = {
   "sliding_window": (None, lambda b, h, i, j: (j <= i) & (i - j < W)),
   "prefix_lm": (None, lambda b, h, i, j: (j <= i) | (j < P)),
   "documents": (None, lambda b, h, i, j: ids[i] == ids[j]),
+  "documents_causal": (None, lambda b, h, i, j: (ids[i] == ids[j]) & (j <= i)),
   "causal": (None, lambda b, h, i, j: j <= i),
   "sliding_window+alibi": (lambda s, b, h, i, j: s + slopes[h] * (j - i),
                            lambda b, h, i, j: (j <= i) & (i - j < W)),
@@ -250,16 +268,18 @@ def main():
                       "prefix_lm": route(mask_mod=prefix_mod),
                       "documents": route(mask_mod=doc_mod, score_mod_args=(ids,)),
                       "documents:packed": route(sequence=_packed(ids)),
+                      "documents_causal": route(mask_mod=doc_causal_mod, score_mod_args=(ids,)),
                       "sliding_window+alibi": route(mask_mod=_window_of_args, score_mod=_alibi,
                                                     score_mod_args=(SLOPES,))}
     rows = []
     extras = {"documents": ids, "documents:segment_ids": ids, "documents:packed": ids,
-              "documents_dense_mask": dense,
+              "documents_dense_mask": dense, "documents_causal": ids,
+              "causal_dense_mask": jnp.asarray(np.tril(np.ones((S, S), bool)))[None, None],
               "documents+document_scale": ids}
     for name, fn in list(cases().items()) + [("causal", causal_fn)]:
         pairs = _visible_pairs(name)
         impls = {"fusedattn": fn}
-        if name == "documents_dense_mask":
+        if name.endswith("_dense_mask"):
             impls["jax.nn cudnn, dense mask"] = lambda q, k, v, m: jax.nn.dot_product_attention(
                 q, k, v, mask=m, implementation="cudnn")
         for mode in ("fwd", "fwd+bwd"):

@@ -26,14 +26,19 @@ FLAGS = (
     ("c[kv]>k", lambda b, i, j, a, c, k: c[b, j] > k),
     ("a[q]>=0", lambda b, i, j, a, c, k: a[b, i] >= 0),
 )
+# Factors of positions alone: a documents mask keeps them as a static term.
+POSITIONAL = (
+    ("j<=i", lambda b, i, j, a, c, k: j <= i),
+    ("i-j<k", lambda b, i, j, a, c, k: i - j < k),
+    ("(i+j)%3!=k", lambda b, i, j, a, c, k: (i + j) % 3 != k),
+)
 # Factors that make the mask no documents mask. (A factor of the row position alone is
 # no such factor when hoisting folds it into a row value with a read: ``(a[q] >= 0) &
 # (i >= k)`` is one per-row boolean.)
 OTHERS = (
-    ("j<=i", lambda b, i, j, a, c, k: j <= i),
     ("a[q]<c[kv]", lambda b, i, j, a, c, k: a[b, i] < c[b, j]),
-    ("i-j<k", lambda b, i, j, a, c, k: i - j < k),
     ("a[q]*c[kv]==k", lambda b, i, j, a, c, k: a[b, i] * c[b, j] == k),
+    ("j<=i+b", lambda b, i, j, a, c, k: j <= i + b),
 )
 
 
@@ -46,7 +51,8 @@ def generated(seed):
     n_eq = int(rng.choice([0, 1, 1, 1, 2]))
     factors += [pick(EQUALITIES) for _ in range(n_eq)]
     factors += [pick(FLAGS) for _ in range(int(rng.integers(0, 3)))]
-    other = rng.random() < 0.3 or not factors   # (at least one factor)
+    factors += [pick(POSITIONAL) for _ in range(int(rng.choice([0, 0, 1, 2])))]
+    other = rng.random() < 0.25 or not factors   # (at least one factor)
     if other:
         factors.append(pick(OTHERS))
     ored = rng.random() < 0.15 and len(factors) > 1   # an OR is no AND of factors

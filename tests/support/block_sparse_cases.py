@@ -41,6 +41,10 @@ def block_map(family: str, b: int, h: int, s: int):
         prefix = jnp.arange(b, dtype=jnp.int32) * 50 + 30
         return bs.block_map(lambda b_, h_, i, j, d, n: (d[b_, i] == d[b_, j]) & (j <= i)
                             | (j < n[b_]), b, h, s, s, args=(ids, prefix))
+    if family == "documents_causal_mask_mod":   # flex's causal documents, ids recurring
+        ids = jnp.asarray(doc_ids(b, s, [s // 8, s // 4, s // 8 + 40]) % 2)
+        return bs.block_map(lambda b_, h_, i, j, d: (d[b_, i] == d[b_, j]) & (j <= i),
+                            b, h, s, s, args=(ids,))
     if family == "head_dependent":
         return bs.block_map(lambda b_, h_, i, j: (j <= i) & (i - j < 64 * (h_ + 1)), b, h, s, s)
     if family == "builtin_window":
@@ -56,7 +60,7 @@ def block_map(family: str, b: int, h: int, s: int):
 
 
 FAMILIES = ("causal", "sliding_window", "prefix_lm", "documents", "documents_causal",
-            "documents_mask_mod", "head_dependent", "builtin_window", "random_dense")
+            "documents_mask_mod", "documents_causal_mask_mod", "head_dependent", "builtin_window", "random_dense")
 
 
 def dense_visibility(bm, b, h, s):

@@ -8,7 +8,7 @@ never the whole ``s_q x s_kv`` grid. Three shapes skip the element-wise work:
 per-row key intervals (the built-in masks) need O(s_q x key blocks); documents
 masks (segment ids, or a mask_mod equal to them: `documents`) need a per-block count
 of each id, reduced mod ``s_q + s_kv`` (`_segments`), also when ANDed with static
-intervals, whose cut blocks alone are evaluated pair by pair (`_counted`); and a
+terms, whose cut blocks alone are evaluated pair by pair (`_counted`); and a
 dense mask is reduced as it is (it is already ``s_q x s_kv``).
 """
 from __future__ import annotations
@@ -156,30 +156,33 @@ def _dense(term: Dense, element: ElementMask, block, xp):
 
 
 def _counted(element: ElementMask, block, xp):
-    """The kinds of a documents mask (`documents`) alone, or ANDed with static per-row
-    intervals (``mask="causal"``, a window), from ids counted per block; None for any
-    other mask, or a table past `MAX_SEGMENT_TABLE`. With intervals, a block they cover
-    takes the documents' kind, one they miss is empty, and the few they cut (known at
-    trace time) are evaluated pair by pair, so the AND stays exact."""
+    """The kinds of a documents mask (`documents`) alone, or ANDed with static terms of
+    one batch row and head (``mask="causal"``, a window, the mask_mod's own factors of
+    positions), from ids counted per block; None for any other mask, or a table past
+    `MAX_SEGMENT_TABLE`. With static terms, a block they cover takes the documents'
+    kind, one they miss is empty, and the few they cut (known at trace time) are
+    evaluated pair by pair, so the AND stays exact."""
     terms = element.terms
-    intervals = terms[1] if len(terms) == 2 and isinstance(terms[1], Intervals) else None
-    if len(terms) != 1 and (intervals is None or not intervals.static
-                            or np.shape(intervals.lo)[0] != 1):
+    if any(not (t.static and t.batch == 1 and t.heads == 1) for t in terms[1:]):
         return None
     docs = documents(terms[0], element)
     n_ids = element.s_q + element.s_kv
     if docs is None or element.batch * n_ids * -(-max(element.s_q, element.s_kv) //
                                                  min(block)) > MAX_SEGMENT_TABLE:
         return None
-    if intervals is None:
+    fixed = list(terms[1:]) + ([docs.positions] if docs.positions is not None else [])
+    if not fixed:
         return _segments(docs, element, block, xp)
-    cut = classify(ElementMask([intervals], element.s_q, element.s_kv), block, host=True)
+    fixed = ElementMask(fixed, element.s_q, element.s_kv)
+    if not on_host(fixed):
+        return None
+    cut = classify(fixed, block, host=True)
     tiles = np.argwhere(cut[0, 0] == PARTIAL)                  # [n, 2]: (query, key block)
     if element.batch * len(tiles) * block[0] * block[1] > 4 * CHUNK_ELEMENTS:
         return None
     kinds = xp.where(cut == FULL, _segments(docs, element, block, xp), EMPTY)
     if len(tiles):
-        exact = _tile_kinds(docs, intervals, element, tiles, block, xp)    # [B, n]
+        exact = _tile_kinds(docs, fixed, tiles, block, xp)    # [B, n]
         if xp is np:
             kinds[:, 0, tiles[:, 0], tiles[:, 1]] = exact
         else:
@@ -187,17 +190,20 @@ def _counted(element: ElementMask, block, xp):
     return kinds.astype(np.int32)
 
 
-def _tile_kinds(docs: Documents, intervals: Intervals, element: ElementMask, tiles, block, xp):
+def _tile_kinds(docs: Documents, fixed: ElementMask, tiles, block, xp):
     """The kinds of the listed (query block, key block) tiles of documents ANDed with
-    intervals, every pair evaluated: ``[B, n]``."""
+    the static mask `fixed`, every pair evaluated: ``[B, n]``."""
     bq, bk = block
-    s_q, s_kv, B = element.s_q, element.s_kv, docs.batch
+    s_q, s_kv, B = fixed.s_q, fixed.s_kv, docs.batch
     rows = tiles[:, :1] * bq + np.arange(bq)                              # [n, bq]
     cols = tiles[:, 1:] * bk + np.arange(bk)                              # [n, bk]
-    real = (rows < s_q)[:, :, None] & (cols < s_kv)[:, None, :]
+    # the tiles along the batch axis (static terms of one row and head read no b)
+    with host_eval():
+        vis = np.asarray(fixed.for_host()(np.int32(0), np.int32(0),
+                                          rows[:, None, :, None].astype(np.int32),
+                                          cols[:, None, None, :].astype(np.int32)))
+    vis = np.broadcast_to(vis, (len(tiles), 1, bq, bk))[:, 0]
     rows, cols = np.minimum(rows, s_q - 1), np.minimum(cols, s_kv - 1)
-    lo, hi = np.asarray(intervals.lo)[0][rows], np.asarray(intervals.hi)[0][rows]
-    vis = real & (cols[:, None, :] >= lo[:, :, None]) & (cols[:, None, :] <= hi[:, :, None])
 
     def side(x, at):   # [B|1, s] -> [B, n, size]
         return xp.broadcast_to(xp.asarray(x), (B, np.shape(x)[1]))[:, at]

@@ -3,7 +3,9 @@ valid). Their block maps count ids per block instead of evaluating pairs
 (`classify`), so this module finds the ids of a term that is one: segment ids, or a
 mask_mod whose in-kernel form (`hoisting`) is ``row == column`` ANDed with per-row
 and per-column booleans, as ``doc[b, q] == doc[b, kv]`` (flex_attention's documents
-mask_mod) and its padding tests ``& (doc[b, q] != 0)`` are.
+mask_mod) and its padding tests ``& (doc[b, q] != 0)`` are. Factors of the positions
+alone may be ANDed in (``& (kv <= q)``, causal documents): they are kept as a static
+mask_mod, whose blocks `classify` evaluates at trace time.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .hoisting import SHAPE_ONLY, Unsupported, hoist
+from .dependence import Reads
+from .hoisting import SHAPE_ONLY, Hoisted, Unsupported, hoist
 from .terms import ElementMask, MaskMod, Segments
 
 
@@ -22,11 +25,12 @@ class Documents(NamedTuple):
     kv_ids: object           # [B|1, s_kv] integers
     q_valid: Optional[object]   # [B|1, s_q] bool, or None: every row is valid
     kv_valid: Optional[object]  # [B|1, s_kv] bool, or None
+    positions: Optional[MaskMod] = None   # a static mask_mod ANDed in, or None
 
     @property
     def batch(self) -> int:
-        """The batch all four broadcast to (each may be 1)."""
-        return max(np.shape(x)[0] for x in self if x is not None)
+        """The batch the ids and flags broadcast to (each may be 1)."""
+        return max(np.shape(x)[0] for x in self[:4] if x is not None)
 
 
 def documents(term, element: ElementMask) -> Optional[Documents]:
@@ -41,19 +45,24 @@ def documents(term, element: ElementMask) -> Optional[Documents]:
             split = hoist(term.fn, specs, term.batch, term.heads, element.s_q, element.s_kv)
         except Unsupported:
             return None    # (the kernel mask says why, when it is built)
-        form = equality(*split.in_kernel)
+        form = equality(split)
         if form is None:
             return None
-        (r, c), row_flags, col_flags = form
+        (r, c), row_flags, col_flags, at = form
         rows, cols = split.values(term.args)   # int32 [B|1, s]: bools as 0 / 1
-        return Documents(rows[r], cols[c], _all(rows, row_flags), _all(cols, col_flags))
+        positions = MaskMod(split.positions_fn(at), reads=Reads(False, False, False),
+                            batch=1, heads=1) if at else None
+        return Documents(rows[r], cols[c], _all(rows, row_flags), _all(cols, col_flags),
+                         positions)
     return None
 
 
-def equality(eqns, rows, cols, out):
-    """``((row value, column value), row flags, column flags)``, as indices into `rows` /
-    `cols`, when `out` is ``row == column`` ANDed with boolean row and column values;
-    else None."""
+def equality(split: Hoisted):
+    """``((row value, column value), row flags, column flags, factors of positions)``,
+    as indices into the in-kernel form's row / column values (the factors as its
+    variables), when that form is ``row == column`` ANDed with boolean row and column
+    values and booleans of the positions alone; else None."""
+    eqns, rows, cols, out = split.in_kernel
     by_id = {id(o): e for e in eqns for o in e.outs}   # (literals are unhashable)
     producer = lambda v: by_id.get(id(v))   # noqa: E731
 
@@ -70,13 +79,15 @@ def equality(eqns, rows, cols, out):
             todo.extend(e.ins)
         else:
             factors.append(v)
-    pairs, row_flags, col_flags = [], [], []
+    pairs, row_flags, col_flags, at = [], [], [], []
     for v in factors:
         e = producer(v)
         if _member(v, rows) and _is_bool(v):
             row_flags.append(_index(v, rows))
         elif _member(v, cols) and _is_bool(v):
             col_flags.append(_index(v, cols))
+        elif _is_bool(v) and split.reads_positions_only(v):
+            at.append(v)
         elif e is not None and e.prim.name == "eq":
             a, b = (source(x) for x in e.ins)
             if _member(b, rows) and _member(a, cols):
@@ -86,8 +97,9 @@ def equality(eqns, rows, cols, out):
                 return None
             pairs.append((_index(a, rows), _index(b, cols)))
         else:
-            return None   # any other factor (positions, the head, arithmetic): not ids
-    return (pairs[0], tuple(row_flags), tuple(col_flags)) if len(pairs) == 1 else None
+            return None   # any other factor (the head, arithmetic of ids): not ids
+    return (pairs[0], tuple(row_flags), tuple(col_flags), tuple(at)) if len(pairs) == 1 \
+        else None
 
 
 def _member(v, values) -> bool:

@@ -148,19 +148,54 @@ class Hoisted:
         kv's shape), `diags` those of `diagonal` at each pair's run. A mask_mod's result
         is a boolean tile; a score_mod's is in its own dtype."""
         *index, rows, cols = index_rows_cols
-        env = {v: _wide(c.reshape(())) for v, c in self._consts.items() if np.size(c) == 1}
+        env = self._scalars()
         env.update(zip(self._inputs[:len(index)], index))
         for v, x in zip(self._rows + self._cols + self._diags,
                         list(rows) + list(cols) + list(diags)):
             env[v] = _from_tile(x, v.aval.dtype, self.kind.floats)
-        for e in self._kernel:
-            env[e.outs[0]] = _on_tiles(e, [_read(env, v, wide=True) for v in e.ins])
-        out = _read(env, self._out, wide=True)
+        out = _on_tiles_all(self._kernel, env, self._out)
         shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in index[-2:]))
         if self.kind.floats:
             return jnp.broadcast_to(out, jnp.broadcast_shapes(shape, jnp.shape(index[0])))
         out = out if jnp.result_type(out) == np.bool_ else out != 0
         return jnp.broadcast_to(out, shape)
+
+
+    def reads_positions_only(self, v) -> bool:
+        """Whether the in-kernel value `v` is computed from q_idx and kv_idx alone (and
+        scalar constants): no hoisted value, no b or h."""
+        kept, needed = _slice(self._kernel, [v])
+        made = {o for e in kept for o in e.outs}
+        allowed = set(self._inputs[len(self.kind.index_bits) - 2:len(self.kind.index_bits)])
+        return all(x in made or x in allowed or np.size(self._consts.get(x, 0.0)) == 1
+                   and x in self._consts for x in needed)
+
+    def positions_fn(self, values):
+        """``fn(b, h, q_idx, kv_idx)``: the AND of the in-kernel booleans `values`, each
+        of positions alone (`reads_positions_only`), on index arrays of any shapes that
+        broadcast (a static mask_mod's)."""
+        n = len(self.kind.index_bits)
+        kept, _ = _slice(self._kernel, values)
+
+        def fn(b, h, q, kv):
+            env = self._scalars()
+            env.update(zip(self._inputs[n - 2:n], (q, kv)))
+            out = True
+            for v in values:
+                out = out & (_on_tiles_all(kept, env, v) != 0)
+            return jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(q), jnp.shape(kv)))
+        return fn
+
+    def _scalars(self):
+        return {v: _wide(c.reshape(())) for v, c in self._consts.items() if np.size(c) == 1}
+
+
+def _on_tiles_all(eqns, env, out):
+    """`out` after running `eqns` on tiles over `env` (which it extends)."""
+    for e in eqns:
+        if e.outs[0] not in env:
+            env[e.outs[0]] = _on_tiles(e, [_read(env, v, wide=True) for v in e.ins])
+    return _read(env, out, wide=True)
 
 
 def hoist(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
