@@ -60,7 +60,8 @@ def block_map(family: str, b: int, h: int, s: int):
 
 
 FAMILIES = ("causal", "sliding_window", "prefix_lm", "documents", "documents_causal",
-            "documents_mask_mod", "documents_causal_mask_mod", "head_dependent", "builtin_window", "random_dense")
+            "documents_mask_mod", "documents_causal_mask_mod", "head_dependent",
+            "builtin_window", "random_dense")
 
 
 def dense_visibility(bm, b, h, s):

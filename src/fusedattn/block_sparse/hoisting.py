@@ -160,15 +160,14 @@ class Hoisted:
         out = out if jnp.result_type(out) == np.bool_ else out != 0
         return jnp.broadcast_to(out, shape)
 
-
     def reads_positions_only(self, v) -> bool:
         """Whether the in-kernel value `v` is computed from q_idx and kv_idx alone (and
         scalar constants): no hoisted value, no b or h."""
         kept, needed = _slice(self._kernel, [v])
-        made = {o for e in kept for o in e.outs}
-        allowed = set(self._inputs[len(self.kind.index_bits) - 2:len(self.kind.index_bits)])
-        return all(x in made or x in allowed or np.size(self._consts.get(x, 0.0)) == 1
-                   and x in self._consts for x in needed)
+        n = len(self.kind.index_bits)
+        allowed = {o for e in kept for o in e.outs} | set(self._inputs[n - 2:n]) | \
+            set(self._scalars())
+        return needed <= allowed
 
     def positions_fn(self, values):
         """``fn(b, h, q_idx, kv_idx)``: the AND of the in-kernel booleans `values`, each
