@@ -117,10 +117,7 @@ def cases():
     def documents_packed(q, k, v, ids):   # sorted ids declared as packed (THD) segments
         return fusedattn.fused_attn(q, k, v, sequence=_packed(ids))
 
-    def documents_dense(q, k, v, dense):   # the jax.nn drop-in, its dispatch included
-        return fusedattn.dot_product_attention(q, k, v, mask=dense)
-
-    def causal_dense(q, k, v, dense):   # the same with the causal mask (Flax's, say)
+    def dense_mask(q, k, v, dense):   # the jax.nn drop-in, its dispatch included
         return fusedattn.dot_product_attention(q, k, v, mask=dense)
 
     # score_mods reading arrays, composed with the masks above (compare with their rows)
@@ -143,8 +140,8 @@ def cases():
     return {"sliding_window": window, "sliding_window:block_sparse": window_kernels,
             "prefix_lm": prefix, "documents": documents,
             "documents:segment_ids": documents_ids, "documents:packed": documents_packed,
-            "documents_dense_mask": documents_dense, "documents_causal": documents_causal,
-            "causal_dense_mask": causal_dense,
+            "documents_dense_mask": dense_mask, "documents_causal": documents_causal,
+            "causal_dense_mask": dense_mask,
             "sliding_window+alibi": window_alibi_auto,
             "sliding_window+alibi:block_sparse": window_alibi,
             "documents+document_scale": documents_scale,
