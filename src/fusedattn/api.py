@@ -104,8 +104,8 @@ def explain(q, k, v, *, backend: str = "auto", context_parallel=None, **options)
     if plan.groups:   # a call per run of rows: each splits as its own plan says
         parts = [(q_rows, kv_rows, _distributed(sub, inputs)) for q_rows, kv_rows, sub
                  in plan.groups]
-        text = "\n".join(f"queries [{q_rows[0]}, {q_rows[1]}) x keys [{kv_rows[0]}, "
-                         f"{kv_rows[1]}): {d}" for q_rows, kv_rows, d in parts if d)
+        text = "\n".join(f"{plan.group_label(q_rows, kv_rows)}: {d}"
+                         for q_rows, kv_rows, d in parts if d)
         return dataclasses.replace(plan, distributed=text) if text else plan
     text = _distributed(plan, inputs)
     return dataclasses.replace(plan, distributed=text) if text else plan

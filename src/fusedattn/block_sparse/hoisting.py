@@ -164,8 +164,7 @@ class Hoisted:
         """Whether the in-kernel value `v` is computed from q_idx and kv_idx alone (and
         scalar constants): no hoisted value, no b or h."""
         kept, needed = _slice(self._kernel, [v])
-        n = len(self.kind.index_bits)
-        allowed = {o for e in kept for o in e.outs} | set(self._inputs[n - 2:n]) | \
+        allowed = {o for e in kept for o in e.outs} | set(self._positions) | \
             set(self._scalars())
         return needed <= allowed
 
@@ -173,17 +172,22 @@ class Hoisted:
         """``fn(b, h, q_idx, kv_idx)``: the AND of the in-kernel booleans `values`, each
         of positions alone (`reads_positions_only`), on index arrays of any shapes that
         broadcast (a static mask_mod's)."""
-        n = len(self.kind.index_bits)
         kept, _ = _slice(self._kernel, values)
 
         def fn(b, h, q, kv):
             env = self._scalars()
-            env.update(zip(self._inputs[n - 2:n], (q, kv)))
+            env.update(zip(self._positions, (q, kv)))
             out = True
             for v in values:
                 out = out & (_on_tiles_all(kept, env, v) != 0)
             return jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(q), jnp.shape(kv)))
         return fn
+
+    @property
+    def _positions(self):
+        """The function's q_idx and kv_idx inputs."""
+        n = len(self.kind.index_bits)
+        return self._inputs[n - 2:n]
 
     def _scalars(self):
         return {v: _wide(c.reshape(())) for v, c in self._consts.items() if np.size(c) == 1}

@@ -182,6 +182,11 @@ class Plan:
             return own(config, inputs)
         return native_op.attention(self.rivals or name, config, inputs, need_lse=True)
 
+    @staticmethod
+    def group_label(q_rows: Tuple[int, int], kv_rows: Tuple[int, int]) -> str:
+        """How explain() names one of `groups`: its query rows and key rows."""
+        return f"queries [{q_rows[0]}, {q_rows[1]}) x keys [{kv_rows[0]}, {kv_rows[1]})"
+
     def _runs(self) -> List[str]:
         """The backends this plan runs: the chosen one, or each step's between rivals."""
         if self.groups:
@@ -227,8 +232,7 @@ class Plan:
         lines = [head] + ([self.rewritten] if self.rewritten else [])
         if self.groups:
             for q_rows, kv_rows, sub in self.groups:
-                lines.append(f"queries [{q_rows[0]}, {q_rows[1]}) x keys [{kv_rows[0]}, "
-                             f"{kv_rows[1]}):")
+                lines.append(self.group_label(q_rows, kv_rows) + ":")
                 lines += ["    " + line for line in str(sub).splitlines()]
             return "\n".join(lines + ([self.distributed] if self.distributed else []))
         lines.append(self.table())
