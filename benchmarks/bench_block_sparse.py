@@ -14,8 +14,10 @@ rows include building the block map: a mask_mod that reads only positions has a
 static map (built on the host when traced), maps from an id array or a dense mask
 are built on the device inside the timed step. The dense document mask goes through
 the jax.nn drop-in (`fusedattn.dot_product_attention(mask=)`), dispatch included;
-"causal_dense_mask" gives it the causal mask (as Flax's `make_causal_mask`; its torch
-column is torch's causal row).
+"causal_dense_mask" gives it the causal mask as an argument of the step (a map on the
+device), and "causal_dense_mask:built_in_step" builds it inside the step as Flax's
+`make_causal_mask` does (its value known at trace time: it runs as ``mask="causal"``);
+their torch column is torch's causal row.
 "documents" is flex_attention's documents mask_mod, ``ids[b, q] == ids[b, kv]``, through
 `fused_attn` (ids in any order: a block map, its ids counted per block);
 "documents:segment_ids" builds the same map with `block_sparse.from_segment_ids` and
@@ -120,6 +122,9 @@ def cases():
     def dense_mask(q, k, v, dense):   # the jax.nn drop-in, its dispatch included
         return fusedattn.dot_product_attention(q, k, v, mask=dense)
 
+    def mask_built_in_step(q, k, v, extra):   # as Flax code builds its causal mask
+        return fusedattn.dot_product_attention(q, k, v, mask=jnp.tril(jnp.ones((S, S), bool)))
+
     # score_mods reading arrays, composed with the masks above (compare with their rows)
     def window_alibi_auto(q, k, v, extra):   # dispatch: the built-in window, ALiBi lowered
         return fusedattn.fused_attn(q, k, v, mask_mod=_window_of_args, score_mod=_alibi,
@@ -141,7 +146,7 @@ def cases():
             "prefix_lm": prefix, "documents": documents,
             "documents:segment_ids": documents_ids, "documents:packed": documents_packed,
             "documents_dense_mask": dense_mask, "documents_causal": documents_causal,
-            "causal_dense_mask": dense_mask,
+            "causal_dense_mask": dense_mask, "causal_dense_mask:built_in_step": mask_built_in_step,
             "sliding_window+alibi": window_alibi_auto,
             "sliding_window+alibi:block_sparse": window_alibi,
             "documents+document_scale": documents_scale,

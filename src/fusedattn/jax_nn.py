@@ -40,7 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import dispatch
+from .block_sparse.recognise import dense_form
 from .config import DTYPES
+from .folding import host_value
 from .inputs import value_mean
 from .sequence import SequenceDescriptor
 from .validation import build_call
@@ -134,7 +136,10 @@ def traced_plan(fn, *arrays) -> dispatch.Plan:
     """The `Plan` ``fn(*arrays)`` returns, traced on abstract values: nothing runs, and
     arrays may be ShapeDtypeStructs."""
     found = []
-    jax.eval_shape(lambda *a: found.append(fn(*a)), *arrays)
+    # NumPy arrays stay NumPy (as in a call): a known mask is recognised as it is there.
+    host = [a if isinstance(a, np.ndarray) else None for a in arrays]
+    jax.eval_shape(lambda *a: found.append(fn(*(a if h is None else h for a, h in zip(a, host)))),
+                   *(None if h is not None else a for a, h in zip(arrays, host)))
     return found[0]
 
 
@@ -168,11 +173,13 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     fusedattn dtype, bias and a boolean mask broadcastable to ``[B, N, T, S]``, with
     jax.nn's semantics (rows that see no key average all values; with `need_lse`, their
     log-sum-exp is jax.nn's, `_lse_seeing_nothing`)."""
-    plan, inputs, mask4 = _planned(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
-                                   window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                                   scale=scale, dropout=dropout, rng=rng, backend=backend)
     b, t, n, _ = q.shape
     s = k.shape[1]
+    mask, is_causal, window, note = _known_mask(mask, is_causal, window, t, s, backend)
+    plan, inputs, mask4 = _planned(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
+                                   window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                   scale=scale, dropout=dropout, rng=rng, backend=backend,
+                                   note=note)
     # block_sparse's lse is -inf exactly on the rows that see no key, at no extra cost:
     # those rows come from it instead of an S^2 pass over the mask. Where the plan asked
     # for jax.nn's rule (`_planned`), its kernel has written the mean there already.
@@ -218,11 +225,37 @@ def _lse_seeing_nothing(s: int):
 def masked_plan(q, k, v, **options):
     """The `Plan` `masked_attention(q, k, v, **options)` follows (arrays may be
     ShapeDtypeStructs); ``print`` it for the backends, their reasons and the mask's route."""
-    return _planned(q, k, v, **options)[0]
+    mask, is_causal, window, note = _known_mask(
+        options.pop("mask", None), options.pop("is_causal", False), options.pop("window", None),
+        q.shape[1], k.shape[1], options.get("backend", "auto"))
+    return _planned(q, k, v, mask=mask, is_causal=is_causal, window=window, note=note,
+                    **options)[0]
+
+
+def _known_mask(mask, is_causal, window, t, s, backend):
+    """(mask, is_causal, window, the line explain() prints or ""): under `auto`, a
+    boolean mask whose value is known at trace time (NumPy, or built from constants
+    inside the caller's jit: Flax's ``make_causal_mask``, `folding.host_value`) that
+    equals a built-in top-left causal mask or window on every pair, given as that:
+    the vendor kernels skip its blocks themselves, and nothing is read on the device."""
+    if backend != "auto" or getattr(mask, "dtype", None) != np.bool_:
+        return mask, is_causal, window, ""
+    known = host_value(mask)
+    if known is None or known.ndim > 4:
+        return mask, is_causal, window, ""
+    known = known.reshape((1,) * (4 - known.ndim) + known.shape)
+    form = dense_form(np.broadcast_to(known, known.shape[:2] + (t, s)),
+                      "causal" if is_causal else "none", window)
+    if form is None or form[0] not in ("causal", "none"):
+        return mask, is_causal, window, ""
+    text = f"mask={form[0]!r}" + (f", window={form[1]}" if form[1] else "")
+    return None, form[0] == "causal", form[1], (
+        f"the mask equals {text} on every pair (its value is known at trace time): runs "
+        f"as that built-in mask")
 
 
 def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_lengths=None,
-             kv_lengths=None, scale=None, dropout=0.0, rng=None, backend="auto", **_):
+             kv_lengths=None, scale=None, dropout=0.0, rng=None, backend="auto", note="", **_):
     """(plan, inputs, the mask as 4-d or None) of a drop-in call. The boolean mask goes
     in as a mask: dispatch runs it as a block map where a backend takes one, else as
     jax.nn's additive bias (`inputs.mask_as_bias`). Where the chosen backend writes
@@ -246,6 +279,8 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
         mean = dataclasses.replace(config, unseen_rows="mean")
         if chosen.supports(dispatch.config_for(mean, plan.preferred)) is None:
             plan = dispatch.plan(mean, backend)
+    if note:
+        plan = dataclasses.replace(plan, rewritten=note)
     return plan, inputs, mask4
 
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from . import builtin
 from .classify import CHUNK_ELEMENTS, host_eval
-from .terms import ElementMask
+from .terms import Dense, ElementMask
 
 Form = Tuple[str, Optional[Tuple[int, int]]]   # (mask, window) as `fused_attn` takes them
 # (query rows [r0, r1), keys [k0, k1), the form of that sub-grid, its own positions)
@@ -40,6 +40,18 @@ def builtin_form(element: ElementMask) -> Optional[Form]:
     term ANDed with the call's own built-in intervals) on every pair, or None. Masks
     past `MAX_ELEMENTS` pairs are not evaluated (None)."""
     return whole_form(row_groups(element), element.s_kv)
+
+
+def dense_form(mask: np.ndarray, mask_kind: str = "none", window=None) -> Optional[Form]:
+    """``(mask, window)`` whose built-in mask equals the host boolean `mask` ``[B|1,
+    H|1, s_q, s_kv]`` of every batch entry and head, ANDed with `mask_kind` / `window`,
+    or None."""
+    s_q, s_kv = mask.shape[-2:]
+    first = mask[:1, :1]
+    if s_q * s_kv > MAX_ELEMENTS or not (mask == first).all():
+        return None
+    return builtin_form(ElementMask([Dense(first), builtin.intervals(s_q, s_kv, mask_kind,
+                                                                      window)], s_q, s_kv))
 
 
 def whole_form(groups: Optional[Tuple[Group, ...]], s_kv: int) -> Optional[Form]:

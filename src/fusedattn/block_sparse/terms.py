@@ -32,8 +32,9 @@ def is_host(x) -> bool:
 
 def row_at(a, b, i):
     """``a[b, i]`` for a ``[B|1, n]`` array, index clipped so overhanging blocks are safe."""
-    b = b if a.shape[0] > 1 else jnp.zeros_like(b)
-    return a[b, jnp.clip(i, 0, a.shape[1] - 1)]
+    xp = np if all(is_host(x) for x in (a, b, i)) else jnp
+    b = b if a.shape[0] > 1 else xp.zeros_like(b)
+    return a[b, xp.clip(i, 0, a.shape[1] - 1)]
 
 
 @_pytree
@@ -106,9 +107,11 @@ class Dense:
 
     def __call__(self, b, h, q, kv):
         m = self.mask
-        b = b if m.shape[0] > 1 else jnp.zeros_like(b)
-        h = h if m.shape[1] > 1 else jnp.zeros_like(h)
-        return jnp.asarray(m)[b, h, jnp.clip(q, 0, m.shape[2] - 1), jnp.clip(kv, 0, m.shape[3] - 1)]
+        # (NumPy on host positions: a static mask's evaluation is a plain index)
+        xp = np if all(is_host(x) for x in (m, b, h, q, kv)) else jnp
+        b = b if m.shape[0] > 1 else xp.zeros_like(b)
+        h = h if m.shape[1] > 1 else xp.zeros_like(h)
+        return xp.asarray(m)[b, h, xp.clip(q, 0, m.shape[2] - 1), xp.clip(kv, 0, m.shape[3] - 1)]
 
     def tree_flatten(self):
         return (self.mask, self.bits), None
@@ -170,7 +173,8 @@ class Intervals:
         return is_host(self.lo) and is_host(self.hi)
 
     def __call__(self, b, h, q, kv):
-        lo, hi = row_at(jnp.asarray(self.lo), b, q), row_at(jnp.asarray(self.hi), b, q)
+        xp = np if self.static and is_host(b) and is_host(q) else jnp
+        lo, hi = row_at(xp.asarray(self.lo), b, q), row_at(xp.asarray(self.hi), b, q)
         return (kv >= lo) & (kv <= hi)
 
     def intersect(self, other: "Intervals") -> "Intervals":

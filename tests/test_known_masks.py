@@ -1,0 +1,213 @@
+"""A drop-in's boolean mask whose value is known at trace time runs as the built-in mask
+it equals.
+
+* `folding.host_value` is checked differentially: generated programs of exact
+  primitives over ``iota`` (integer arithmetic, comparisons, boolean logic, selects,
+  shape changes, jnp library calls) are evaluated on the host inside a jit trace and
+  compared with the values the compiled program computes; values that depend on an
+  input, a random number, an inexact primitive or another transformation's tracer
+  give None.
+* `recognise.dense_form` against an exhaustive search of the built-in forms.
+* The drop-ins: Flax's ``make_causal_mask`` and ``jnp.tril`` inside jit are planned
+  as ``mask="causal"`` (explain() says so) with outputs and gradients equal to the
+  mask run as a mask; masks that are not built-in, or a named backend, keep the mask.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import fusedattn
+from fusedattn import jax_nn
+from fusedattn.block_sparse import recognise
+from fusedattn.folding import host_value
+from support.folding_programs import program
+from support.generated_masks import brute, dense, exhaustive, generated
+
+S = 24
+
+
+def _folded(fn, *args):
+    """(host_value of fn's result inside a jit trace, the compiled program's result)."""
+    seen = []
+
+    def traced(*a):
+        out = fn(*a)
+        seen.append(host_value(out))
+        return out
+    compiled = np.asarray(jax.jit(traced)(*args))
+    return seen[0], compiled
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_host_value_of_generated_programs_equals_the_compiled_value(chunk):
+    x = jnp.ones((S + 3,))
+    for seed in range(chunk * 50, chunk * 50 + 50):
+        fn, text = program(seed, S)
+        host, compiled = _folded(fn, x)
+        assert host is not None, f"seed {seed}: {text} not evaluated"
+        assert host.dtype == compiled.dtype and np.array_equal(host, compiled), \
+            f"seed {seed}: {text}"
+
+
+def test_host_value_of_flax_and_jnp_masks():
+    x = jnp.ones((3, S))
+    for fn in (lambda x: nn.make_causal_mask(jnp.ones(x.shape), dtype=jnp.bool_),
+               lambda x: nn.make_causal_mask(x).astype(bool),
+               lambda x: jnp.tril(jnp.ones((S, S), bool)),
+               lambda x: nn.combine_masks(nn.make_causal_mask(jnp.ones(x.shape)),
+                                          jnp.ones((1, 1, S, S), bool)).astype(bool)):
+        host, compiled = _folded(fn, x)
+        assert host is not None and np.array_equal(host, compiled)
+
+
+@pytest.mark.parametrize("case", ["input", "random", "exp", "float_add", "outer_tracer"])
+def test_host_value_refuses_what_it_cannot_know_exactly(case):
+    x = jnp.arange(S, dtype=jnp.float32)
+    i = jnp.arange(S)
+    fns = {
+        "input": lambda x: i[:, None] <= x[None, :],
+        "random": lambda x: jax.random.bernoulli(jax.random.key(0), 0.5, (S, S)),
+        "exp": lambda x: jnp.exp(i.astype(jnp.float32))[:, None] > i[None, :],
+        "float_add": lambda x: (i.astype(jnp.float32) + 0.1)[:, None] > i[None, :],
+    }
+    if case == "outer_tracer":   # a mask of the enclosing jit, seen inside an inner one
+        seen = []
+
+        @jax.jit
+        def outer(x):
+            m = i[:, None] <= i[None, :]
+            return jax.jit(lambda y: (seen.append(host_value(m & (y[0] > -1))), y)[1])(x)
+        outer(x)
+        assert seen == [None]
+        return
+    host, _ = _folded(fns[case], x)
+    assert host is None
+
+
+def test_host_value_under_grad_and_of_numpy():
+    m = np.tri(4, dtype=bool)
+    assert host_value(m) is m
+    seen = []
+
+    def loss(p, x):
+        seen.append(host_value(nn.make_causal_mask(jnp.ones(x.shape), dtype=jnp.bool_)))
+        return (p * x).sum()
+    jax.jit(jax.grad(loss))(1.0, jnp.ones((2, 5)))
+    assert seen[0] is not None and np.array_equal(seen[0][0, 0], np.tri(5, dtype=bool))
+    assert host_value(jnp.ones(3)) is None   # a device array: not copied to the host
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_dense_form_against_exhaustive_search(chunk):
+    found = 0
+    for seed in range(chunk * 60, chunk * 60 + 60):
+        fn, s_q, s_kv, text = generated(seed)
+        m = brute(fn, s_q, s_kv)
+        form = recognise.dense_form(np.broadcast_to(m, (2, 3, s_q, s_kv)))
+        if form is None:
+            assert not exhaustive(m), f"seed {seed}: {text} is built-in, not found"
+        else:
+            found += 1
+            assert np.array_equal(dense(s_q, s_kv, *form), m), f"seed {seed}: {text} -> {form}"
+    assert found > 0
+
+
+def test_dense_form_needs_one_mask_for_every_batch_entry_and_head():
+    m = np.broadcast_to(np.tri(8, dtype=bool), (2, 1, 8, 8)).copy()
+    assert recognise.dense_form(m) == ("causal", None)
+    m[1, 0, 7, 0] = False
+    assert recognise.dense_form(m) is None
+
+
+def _qkv(b=2, t=S, n=2, d=16, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return [jax.random.normal(k, (b, t, n, d), jnp.float32) for k in ks]
+
+
+def _plan_and_grads(make_mask, fn, **options):
+    """(the plan of a drop-in call inside jit, its output and q / k / v gradients)."""
+    q, k, v = _qkv()
+    plans = []
+
+    def loss(q, k, v):
+        m = make_mask(q)
+        plans.append(jax_nn.masked_plan(q, k, v, mask=m, **options))
+        out = fn(q, k, v, m)
+        return (out * jnp.cos(out)).sum(), out
+    grads, out = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    return plans[0], out, grads
+
+
+def _expect(fn, mask, **options):
+    q, k, v = _qkv()
+
+    def loss(q, k, v):
+        out = fn(q, k, v, mask)
+        return (out * jnp.cos(out)).sum(), out
+    return jax.grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+
+
+def _jax_nn(**options):
+    return lambda q, k, v, m: fusedattn.dot_product_attention(q, k, v, mask=m, **options)
+
+
+CAUSAL_MASKS = {
+    "flax_make_causal_mask": lambda q: nn.make_causal_mask(jnp.ones(q.shape[:2]),
+                                                           dtype=jnp.bool_),
+    "jnp_tril": lambda q: jnp.tril(jnp.ones((S, S), bool)),
+    "iota_compare": lambda q: (lax.broadcasted_iota(jnp.int32, (1, 1, S, S), 3)
+                               <= lax.broadcasted_iota(jnp.int32, (1, 1, S, S), 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_MASKS))
+def test_known_causal_mask_runs_as_causal(name):
+    plan, out, grads = _plan_and_grads(CAUSAL_MASKS[name], _jax_nn())
+    assert plan.config.mask == "causal" and not plan.config.has_dense_mask
+    assert "the mask equals mask='causal' on every pair" in str(plan)
+    (g_want, out_want) = _expect(_jax_nn(is_causal=True), None)
+    np.testing.assert_allclose(out, out_want, atol=1e-6)
+    for g, w in zip(grads, g_want):
+        np.testing.assert_allclose(g, w, atol=1e-5)
+
+
+def test_known_window_mask_with_is_causal_and_flax():
+    band = lambda q: jnp.abs(jnp.arange(S)[:, None] - jnp.arange(S)[None, :]) <= 3
+    plan, out, _ = _plan_and_grads(band, _jax_nn(is_causal=True), is_causal=True)
+    assert plan.config.mask == "causal" and plan.config.window == (3, 0)
+    _, want = _expect(_jax_nn(), jnp.tril(band(None)))
+    np.testing.assert_allclose(out, want, atol=1e-6)
+    flax_fn = lambda q, k, v, m: fusedattn.flax.attention_fn(q, k, v, mask=m)
+    plan, out, grads = _plan_and_grads(band, flax_fn)
+    assert plan.config.mask == "none" and plan.config.window == (3, 3)
+    g_want, want = _expect(lambda q, k, v, m: nn.dot_product_attention(q, k, v, mask=m),
+                           band(None))
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    for g, w in zip(grads, g_want):
+        np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["not_builtin", "empty_row", "input", "named_backend"])
+def test_masks_that_stay_masks(case):
+    tri = lambda q: jnp.tril(jnp.ones((S, S), bool))
+    make, options = {
+        "not_builtin": (lambda q: tri(q) & (jnp.arange(S)[None, :] % 3 != 1), {}),
+        "empty_row": (lambda q: tri(q) & (jnp.arange(S)[:, None] != 5), {}),
+        "input": (lambda q: tri(q) & (q[0, :, 0, :1] > -10), {}),
+        "named_backend": (tri, {"implementation": "xla"}),
+    }[case]
+    backend = {"backend": "xla"} if options else {}
+    plan, out, _ = _plan_and_grads(make, _jax_nn(**options), **backend)
+    assert plan.config.has_dense_mask and plan.config.mask == "none"
+    assert "the mask equals" not in str(plan)
+
+
+def test_explain_recognises_a_numpy_mask():
+    q = jax.ShapeDtypeStruct((2, S, 2, 16), jnp.bfloat16)
+    plan = fusedattn.flax.explain(q, q, q, mask=np.tri(S, dtype=bool)[None, None])
+    assert plan.config.mask == "causal" and "the mask equals mask='causal'" in str(plan)
+    plan = jax_nn.explain(q, q, q, mask=np.tri(S, dtype=bool))
+    assert plan.config.mask == "causal"
