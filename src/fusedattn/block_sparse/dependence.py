@@ -31,6 +31,11 @@ def index_specs(batch: int, heads: int, s_q: int, s_kv: int):
             ((batch, 1, 1, 1), (1, heads, 1, 1), (1, 1, s_q, 1), (1, 1, 1, s_kv))]
 
 
+def specs_of(arrays) -> tuple:
+    """The ShapeDtypeStructs of `arrays` (what hoisting and tracing are keyed on)."""
+    return tuple(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in arrays)
+
+
 def mask_mod_reads(mask_mod, args: Sequence, batch: int, heads: int, s_q: int,
                    s_kv: int) -> Reads:
     """Whether `mask_mod`'s output depends on batch, head or any of `args`.
@@ -41,8 +46,7 @@ def mask_mod_reads(mask_mod, args: Sequence, batch: int, heads: int, s_q: int,
     the reverse.
     """
     specs = index_specs(batch, heads, s_q, s_kv)
-    arg_specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
-    closed = jax.make_jaxpr(mask_mod)(*specs, *arg_specs)
+    closed = jax.make_jaxpr(mask_mod)(*specs, *specs_of(args))
     jaxpr = closed.jaxpr
     # Arrays the function closes over count as arguments: a kernel cannot capture them,
     # so they are read (hoisted) like score_mod_args or the map needs the device.

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from .dependence import Reads
+from .dependence import Reads, specs_of
 from .hoisting import SHAPE_ONLY, Hoisted, Unsupported, hoist
 from .terms import ElementMask, MaskMod, Segments
 
@@ -40,9 +38,8 @@ def documents(term, element: ElementMask) -> Optional[Documents]:
         valid = (lambda ids: None) if pad is None else (lambda ids: ids != pad)
         return Documents(term.q_ids, term.kv_ids, valid(term.q_ids), valid(term.kv_ids))
     if isinstance(term, MaskMod) and term.reads.args and term.q_pos is None:
-        specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in term.args]
         try:
-            split = hoist(term.fn, specs, term.batch, term.heads, element.s_q, element.s_kv)
+            split = hoist(term.fn, specs_of(term.args), term.batch, term.heads, element.s_q, element.s_kv)
         except Unsupported:
             return None    # (the kernel mask says why, when it is built)
         form = equality(split)

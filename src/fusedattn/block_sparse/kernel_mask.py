@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .dependence import specs_of
 from .hoisting import Unsupported, hoist  # (Unsupported: this module's error too)
 from .kernel_parts import WORD, whole
 from .terms import Dense, ElementMask, Intervals, MaskMod, Segments, row_at
@@ -124,8 +125,7 @@ def _hoisted(term: MaskMod, element: ElementMask, q_arrays: List, kv_arrays: Lis
         args = args + (term.q_pos, term.kv_pos)
         fn = (lambda b, h, q, kv, *xs, inner=term.fn:
               inner(b, h, row_at(xs[-2], b, q), row_at(xs[-1], b, kv), *xs[:-2]))
-    specs = [jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args]
-    split = hoist(fn, specs, term.batch, term.heads, element.s_q, element.s_kv)
+    split = hoist(fn, specs_of(args), term.batch, term.heads, element.s_q, element.s_kv)
     rows, cols = split.values(args)
     a, c = len(q_arrays), len(kv_arrays)
     q_arrays += rows

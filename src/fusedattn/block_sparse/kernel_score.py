@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from .dependence import mask_mod_reads
+from .dependence import mask_mod_reads, specs_of
 from .diagonal import Runs
 from .hoisting import SCORE, hoist, stack_words
 from ..jaxprs import plain
@@ -56,8 +56,7 @@ def kernel_score(score_mod: Optional[Callable], args: Sequence, batch: int, head
     `hoisting.Unsupported` when its reads have no in-kernel form."""
     if score_mod is None:
         return None
-    specs = tuple(jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)) for a in args)
-    fn, split = _split(score_mod, specs, batch, heads, s_q, s_kv)
+    fn, split = _split(score_mod, specs_of(args), batch, heads, s_q, s_kv)
     if split is None:  # it reads no array
         return Score(fn, None, None)
     rows, cols = split.values(args)
