@@ -106,7 +106,7 @@ def test_dense_form_against_exhaustive_search(chunk):
     for seed in range(chunk * 60, chunk * 60 + 60):
         fn, s_q, s_kv, text = generated(seed)
         m = brute(fn, s_q, s_kv)
-        form = recognise.dense_form(np.broadcast_to(m, (2, 3, s_q, s_kv)))
+        form = recognise.dense_form(m)
         if form is None:
             assert not exhaustive(m), f"seed {seed}: {text} is built-in, not found"
         else:
@@ -115,11 +115,17 @@ def test_dense_form_against_exhaustive_search(chunk):
     assert found > 0
 
 
-def test_dense_form_needs_one_mask_for_every_batch_entry_and_head():
-    m = np.broadcast_to(np.tri(8, dtype=bool), (2, 1, 8, 8)).copy()
-    assert recognise.dense_form(m) == ("causal", None)
-    m[1, 0, 7, 0] = False
-    assert recognise.dense_form(m) is None
+def test_host_value_reduces_a_mask_past_the_host_limit():
+    # a [64, 1, 2048, 2048] causal mask: 2^28 booleans, reduced inside XLA's program
+    seen = []
+
+    def f(x):
+        mask = nn.make_causal_mask(jnp.ones((64, 2048)), dtype=jnp.bool_)
+        seen.append(host_value(mask, reduce=jax_nn._first_and_same))
+        return x
+    jax.jit(f)(1.0)
+    first, same = seen[0]
+    assert bool(same) and np.array_equal(first, np.tri(2048, dtype=bool))
 
 
 def _qkv(b=2, t=S, n=2, d=16, seed=0):
@@ -190,7 +196,8 @@ def test_known_window_mask_with_is_causal_and_flax():
         np.testing.assert_allclose(g, w, atol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["not_builtin", "empty_row", "input", "named_backend"])
+@pytest.mark.parametrize("case", ["not_builtin", "empty_row", "input", "named_backend",
+                                  "one_batch_entry_differs"])
 def test_masks_that_stay_masks(case):
     tri = lambda q: jnp.tril(jnp.ones((S, S), bool))
     make, options = {
@@ -198,6 +205,8 @@ def test_masks_that_stay_masks(case):
         "empty_row": (lambda q: tri(q) & (jnp.arange(S)[:, None] != 5), {}),
         "input": (lambda q: tri(q) & (q[0, :, 0, :1] > -10), {}),
         "named_backend": (tri, {"implementation": "xla"}),
+        "one_batch_entry_differs": (lambda q: tri(q)[None, None] & (
+            jnp.arange(2)[:, None, None, None] + jnp.arange(S)[:, None] != S), {}),
     }[case]
     backend = {"backend": "xla"} if options else {}
     plan, out, _ = _plan_and_grads(make, _jax_nn(**options), **backend)

@@ -17,7 +17,7 @@ constants); where they differ the answer is None, never a guess.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import numpy as np
@@ -36,82 +36,110 @@ _INTEGER = frozenset({"add", "sub", "mul", "div", "rem", "integer_pow", "shift_l
 # Calls whose bodies are checked equation by equation.
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 MAX_EQUATIONS = 512      # equations walked at most
-MAX_ELEMENTS = 1 << 28   # elements of the value (and of any intermediate) at most
+MAX_ELEMENTS = 1 << 32   # elements of the value (and of any intermediate) at most
+MAX_CONSTANT = 1 << 26   # elements of a trace constant read at most
 
 
 class _NotConstant(Exception):
     pass
 
 
-def host_value(x) -> Optional[np.ndarray]:
+def host_value(x, reduce: Optional[Callable] = None):
     """`x` as a NumPy array when its value is known at trace time (a NumPy array, or a
-    jit tracer computed from constants by exact primitives), else None."""
+    jit tracer computed from constants by exact primitives), else None. With `reduce`,
+    ``reduce(x)`` (a pytree of arrays, from jnp code) instead, computed in the same
+    XLA program on the host: a large mask need not exist whole on the host."""
     if isinstance(x, np.ndarray):
-        return x
-    if not isinstance(x, jax.core.Tracer):
+        if reduce is None:
+            return x
+        build = lambda: x   # noqa: E731
+    elif isinstance(x, jax.core.Tracer):
+        build = None
+    else:
         return None
     try:
-        return np.asarray(_Folder(x).value(x))
+        build = build or _Graph(x).rebuild
+        try:
+            cpu = jax.devices("cpu")[0]
+        except RuntimeError:   # (JAX_PLATFORMS without cpu: the default device evaluates)
+            cpu = None
+        # (run now, not staged into the caller's trace; traced again, as a program of its own)
+        with jax.ensure_compile_time_eval(), jax.default_device(cpu):
+            out = jax.jit(lambda: (reduce or (lambda v: v))(build()))()
+        return jax.tree.map(np.asarray, out)
     except _NotConstant:
         return None
     except Exception:  # noqa: BLE001 - internals of another JAX version: keep the tracer
         return None
 
 
-class _Folder:
+class _Graph:
+    """The equations that made tracer `x`, walked back from it and checked: exact
+    primitives, no input of the traced function, no other trace's tracer."""
+
     def __init__(self, x):
         trace = getattr(x, "_trace", None)
-        self.consts = getattr(getattr(trace, "frame", None), "constvar_to_val", None)
-        if self.consts is None or not hasattr(x, "parent"):
+        consts = getattr(getattr(trace, "frame", None), "constvar_to_val", None)
+        if consts is None or not hasattr(x, "parent"):
             raise _NotConstant
-        self.trace, self.values, self.walked = trace, {}, 0
-        try:
-            self.device = jax.devices("cpu")[0]
-        except RuntimeError:   # (JAX_PLATFORMS without cpu: the default device evaluates)
-            self.device = None
+        self.trace, self.consts, self.x = trace, consts, x
+        self.order, self.leaves, seen = [], {}, set()   # equations, producers first
+        stack = [(x, False)]
+        while stack:
+            tracer, done = stack.pop()
+            atom = self._atom(tracer)
+            if done:
+                self.order.append(tracer.parent)
+                continue
+            if isinstance(atom, Literal) or atom in seen:
+                continue
+            seen.add(atom)
+            if atom in consts:
+                self.leaves[atom] = self._constant(consts[atom])
+                continue
+            eqn = tracer.parent
+            _check_eqn(eqn)
+            if len(seen) > MAX_EQUATIONS:
+                raise _NotConstant
+            stack.append((tracer, True))
+            stack += [(t, False) for t in eqn.in_tracers]
 
-    def value(self, tracer):
+    def _atom(self, tracer):
         if not isinstance(tracer, jax.core.Tracer) or getattr(tracer, "_trace", None) is not self.trace:
             raise _NotConstant   # a tracer of an enclosing or inner transformation
-        atom = tracer.val
-        if isinstance(atom, Literal):
-            return atom.val
-        if atom in self.values:
-            return self.values[atom]
-        if atom in self.consts:
-            value = self.consts[atom]
-            # (an enclosing trace's tracer lifted into this one is a constant too)
-            if isinstance(value, jax.core.Tracer) or np.size(value) > MAX_ELEMENTS:
-                raise _NotConstant
-            value = np.asarray(value)
-        else:
-            value = self._evaluate(tracer.parent, atom)
-        self.values[atom] = value
-        return value
+        return tracer.val
 
-    def _evaluate(self, eqn, atom):
-        """The value of `atom`, an output of `eqn` (None: an input of the traced function)."""
-        if eqn is None or eqn.effects:
+    @staticmethod
+    def _constant(value):
+        # (an enclosing trace's tracer lifted into this one is a constant too)
+        if isinstance(value, jax.core.Tracer) or np.size(value) > MAX_CONSTANT:
             raise _NotConstant
-        self.walked += 1
-        if self.walked > MAX_EQUATIONS:
-            raise _NotConstant
-        avals = [v.aval for v in eqn.outvars]
-        _check(eqn.primitive, eqn.params, avals)
-        if any(np.prod(a.shape, dtype=np.int64) > MAX_ELEMENTS for a in avals):
-            raise _NotConstant
-        ins = [self.value(t) for t in eqn.in_tracers]
-        with jax.ensure_compile_time_eval(), jax.default_device(self.device):
+        return np.asarray(value)
+
+    def rebuild(self):
+        """The value of `x`, its equations bound again under the current trace."""
+        values = dict(self.leaves)
+        done = set()
+        for eqn in self.order:
+            if id(eqn) in done:
+                continue
+            done.add(id(eqn))
+            ins = [t.val.val if isinstance(t.val, Literal) else values[t.val]
+                   for t in eqn.in_tracers]
             outs = eqn.primitive.bind(*ins, **eqn.params)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        found = None
-        for v, out in zip(eqn.outvars, outs):
-            self.values[v] = np.asarray(out)
-            if v is atom:
-                found = self.values[v]
-        if found is None:
-            raise _NotConstant
-        return found
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            values.update(zip(eqn.outvars, outs))
+        return values[self.x.val]
+
+
+def _check_eqn(eqn) -> None:
+    """Raise _NotConstant unless `eqn` (None: an input of the traced function) is exact."""
+    if eqn is None or eqn.effects:
+        raise _NotConstant
+    avals = [v.aval for v in eqn.outvars]
+    if any(np.prod(a.shape, dtype=np.int64) > MAX_ELEMENTS for a in avals):
+        raise _NotConstant
+    _check(eqn.primitive, eqn.params, avals)
 
 
 def _check(prim, params, out_avals) -> None:

@@ -240,18 +240,24 @@ def _known_mask(mask, is_causal, window, t, s, backend):
     the vendor kernels skip its blocks themselves, and nothing is read on the device."""
     if backend != "auto" or getattr(mask, "dtype", None) != np.bool_:
         return mask, is_causal, window, ""
-    known = host_value(mask)
-    if known is None or known.ndim > 4:
-        return mask, is_causal, window, ""
-    known = known.reshape((1,) * (4 - known.ndim) + known.shape)
-    form = dense_form(np.broadcast_to(known, known.shape[:2] + (t, s)),
-                      "causal" if is_causal else "none", window)
+    got = host_value(mask, reduce=_first_and_same) if np.ndim(mask) >= 2 else None
+    if got is None or not got[1] or any(n not in (1, m) for n, m in zip(got[0].shape, (t, s))):
+        return mask, is_causal, window, ""   # (a shape jax.nn refuses: `_planned` says why)
+    form = dense_form(np.broadcast_to(got[0], (t, s)), "causal" if is_causal else "none",
+                      window)
     if form is None or form[0] not in ("causal", "none"):
         return mask, is_causal, window, ""
     text = f"mask={form[0]!r}" + (f", window={form[1]}" if form[1] else "")
     return None, form[0] == "causal", form[1], (
         f"the mask equals {text} on every pair (its value is known at trace time): runs "
         f"as that built-in mask")
+
+
+def _first_and_same(mask):
+    """(the mask of the first batch entry and head, whether every other one equals it),
+    reduced without forming another copy of the mask."""
+    rows = mask.reshape((-1,) + mask.shape[-2:])
+    return rows[0], jnp.all(rows == rows[:1])
 
 
 def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_lengths=None,

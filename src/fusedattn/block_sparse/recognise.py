@@ -43,15 +43,11 @@ def builtin_form(element: ElementMask) -> Optional[Form]:
 
 
 def dense_form(mask: np.ndarray, mask_kind: str = "none", window=None) -> Optional[Form]:
-    """``(mask, window)`` whose built-in mask equals the host boolean `mask` ``[B|1,
-    H|1, s_q, s_kv]`` of every batch entry and head, ANDed with `mask_kind` / `window`,
-    or None."""
-    s_q, s_kv = mask.shape[-2:]
-    first = mask[:1, :1]
-    if s_q * s_kv > MAX_ELEMENTS or not (mask == first).all():
-        return None
-    return builtin_form(ElementMask([Dense(first), builtin.intervals(s_q, s_kv, mask_kind,
-                                                                      window)], s_q, s_kv))
+    """``(mask, window)`` whose built-in mask equals the host boolean `mask` ``[s_q,
+    s_kv]`` ANDed with `mask_kind` / `window`, or None."""
+    s_q, s_kv = mask.shape
+    return builtin_form(ElementMask([Dense(mask[None, None]), builtin.intervals(
+        s_q, s_kv, mask_kind, window)], s_q, s_kv))
 
 
 def whole_form(groups: Optional[Tuple[Group, ...]], s_kv: int) -> Optional[Form]:
