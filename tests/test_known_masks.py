@@ -79,7 +79,7 @@ def test_host_value_refuses_what_it_cannot_know_exactly(case):
         @jax.jit
         def outer(x):
             m = i[:, None] <= i[None, :]
-            return jax.jit(lambda y: (seen.append(host_value(m & (y[0] > -1))), y)[1])(x)
+            return jax.jit(lambda y: (seen.append(host_value(~m)), y)[1])(x)
         outer(x)
         assert seen == [None]
         return
@@ -115,7 +115,7 @@ def test_dense_form_against_exhaustive_search(chunk):
     assert found > 0
 
 
-def test_host_value_reduces_a_mask_past_the_host_limit():
+def test_host_value_reduces_a_large_mask_inside_xla():
     # a [64, 1, 2048, 2048] causal mask: 2^28 booleans, reduced inside XLA's program
     seen = []
 
@@ -133,10 +133,14 @@ def _qkv(b=2, t=S, n=2, d=16, seed=0):
     return [jax.random.normal(k, (b, t, n, d), jnp.float32) for k in ks]
 
 
-def _plan_and_grads(make_mask, fn, **options):
-    """(the plan of a drop-in call inside jit, its output and q / k / v gradients)."""
+def _plan_and_grads(make_mask, fn, monkeypatch, **options):
+    """(the plan of a drop-in call inside jit, the line `_known_mask` gave the call `fn`
+    made, its output and q / k / v gradients)."""
     q, k, v = _qkv()
-    plans = []
+    plans, notes = [], []
+    known = jax_nn._known_mask
+    monkeypatch.setattr(jax_nn, "_known_mask",
+                        lambda *a: (lambda r: (notes.append(r[3]), r)[1])(known(*a)))
 
     def loss(q, k, v):
         m = make_mask(q)
@@ -144,7 +148,7 @@ def _plan_and_grads(make_mask, fn, **options):
         out = fn(q, k, v, m)
         return (out * jnp.cos(out)).sum(), out
     grads, out = jax.jit(jax.grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
-    return plans[0], out, grads
+    return plans[0], notes[-1], out, grads
 
 
 def _expect(fn, mask, **options):
@@ -170,25 +174,27 @@ CAUSAL_MASKS = {
 
 
 @pytest.mark.parametrize("name", sorted(CAUSAL_MASKS))
-def test_known_causal_mask_runs_as_causal(name):
-    plan, out, grads = _plan_and_grads(CAUSAL_MASKS[name], _jax_nn())
+def test_known_causal_mask_runs_as_causal(name, monkeypatch):
+    plan, note, out, grads = _plan_and_grads(CAUSAL_MASKS[name], _jax_nn(), monkeypatch)
     assert plan.config.mask == "causal" and not plan.config.has_dense_mask
-    assert "the mask equals mask='causal' on every pair" in str(plan)
+    assert "the mask equals mask='causal' on every pair" in str(plan) and note
     (g_want, out_want) = _expect(_jax_nn(is_causal=True), None)
     np.testing.assert_allclose(out, out_want, atol=1e-6)
     for g, w in zip(grads, g_want):
         np.testing.assert_allclose(g, w, atol=1e-5)
 
 
-def test_known_window_mask_with_is_causal_and_flax():
+def test_known_window_mask_with_is_causal_and_flax(monkeypatch):
     band = lambda q: jnp.abs(jnp.arange(S)[:, None] - jnp.arange(S)[None, :]) <= 3
-    plan, out, _ = _plan_and_grads(band, _jax_nn(is_causal=True), is_causal=True)
+    plan, note, out, _ = _plan_and_grads(band, _jax_nn(is_causal=True), monkeypatch,
+                                         is_causal=True)
     assert plan.config.mask == "causal" and plan.config.window == (3, 0)
+    assert "mask='causal', window=(3, 0)" in note
     _, want = _expect(_jax_nn(), jnp.tril(band(None)))
     np.testing.assert_allclose(out, want, atol=1e-6)
     flax_fn = lambda q, k, v, m: fusedattn.flax.attention_fn(q, k, v, mask=m)
-    plan, out, grads = _plan_and_grads(band, flax_fn)
-    assert plan.config.mask == "none" and plan.config.window == (3, 3)
+    _, note, out, grads = _plan_and_grads(band, flax_fn, monkeypatch)
+    assert "mask='none', window=(3, 3)" in note   # (the Flax call's own rewrite)
     g_want, want = _expect(lambda q, k, v, m: nn.dot_product_attention(q, k, v, mask=m),
                            band(None))
     np.testing.assert_allclose(out, want, atol=1e-5)
@@ -196,9 +202,30 @@ def test_known_window_mask_with_is_causal_and_flax():
         np.testing.assert_allclose(g, w, atol=1e-4)
 
 
+@pytest.mark.parametrize("t,lengths", [(18, None), (18, (16, 10)), (12, (16, 10))])
+def test_one_sided_forms_with_lengths_and_unequal_sequences(t, lengths):
+    # `j <= i + 2` is window=(-1, 2), `j >= i - 3` window=(3, -1): an unbounded side
+    ks = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(ks[0], (2, t, 2, 16))
+    k, v = (jax.random.normal(x, (2, 16, 2, 16)) for x in ks[1:])
+    i, j = np.arange(t)[:, None], np.arange(16)[None, :]
+    kv_len = None if lengths is None else jnp.asarray(lengths)
+    for mask in (j <= i + 2, j >= i - 3):
+        run = lambda impl: fusedattn.dot_product_attention(
+            q, k, v, mask=mask, key_value_seq_lengths=kv_len, implementation=impl)
+        assert jax_nn._known_mask(mask, False, None, (2, 2, t, 16), "auto")[3]
+        np.testing.assert_allclose(run(None), run("xla"), atol=1e-6)
+
+
+def test_a_mask_jax_nn_refuses_is_still_refused():
+    q = jnp.ones((2, S, 2, 16))
+    with pytest.raises(ValueError):
+        fusedattn.dot_product_attention(q, q, q, mask=np.ones((3, 1, S, S), bool))
+
+
 @pytest.mark.parametrize("case", ["not_builtin", "empty_row", "input", "named_backend",
                                   "one_batch_entry_differs"])
-def test_masks_that_stay_masks(case):
+def test_masks_that_stay_masks(case, monkeypatch):
     tri = lambda q: jnp.tril(jnp.ones((S, S), bool))
     make, options = {
         "not_builtin": (lambda q: tri(q) & (jnp.arange(S)[None, :] % 3 != 1), {}),
@@ -209,14 +236,22 @@ def test_masks_that_stay_masks(case):
             jnp.arange(2)[:, None, None, None] + jnp.arange(S)[:, None] != S), {}),
     }[case]
     backend = {"backend": "xla"} if options else {}
-    plan, out, _ = _plan_and_grads(make, _jax_nn(**options), **backend)
+    plan, note, out, _ = _plan_and_grads(make, _jax_nn(**options), monkeypatch, **backend)
     assert plan.config.has_dense_mask and plan.config.mask == "none"
-    assert "the mask equals" not in str(plan)
+    assert "the mask equals" not in str(plan) and not note
 
 
-def test_explain_recognises_a_numpy_mask():
+def test_a_numpy_mask_is_recognised_by_explain_and_by_the_call(monkeypatch):
     q = jax.ShapeDtypeStruct((2, S, 2, 16), jnp.bfloat16)
-    plan = fusedattn.flax.explain(q, q, q, mask=np.tri(S, dtype=bool)[None, None])
+    tri = np.tri(S, dtype=bool)
+    plan = fusedattn.flax.explain(q, q, q, mask=tri[None, None])
     assert plan.config.mask == "causal" and "the mask equals mask='causal'" in str(plan)
-    plan = jax_nn.explain(q, q, q, mask=np.tri(S, dtype=bool))
-    assert plan.config.mask == "causal"
+    assert jax_nn.explain(q, q, q, mask=tri).config.mask == "causal"
+    notes = []
+    known = jax_nn._known_mask
+    monkeypatch.setattr(jax_nn, "_known_mask",
+                        lambda *a: (lambda r: (notes.append(r[3]), r)[1])(known(*a)))
+    x = jnp.ones((2, S, 2, 16), jnp.float32)
+    fusedattn.flax.attention_fn(x, x, x, mask=tri[None, None].astype(np.float32))
+    fusedattn.dot_product_attention(x, x, x, mask=tri)
+    assert len(notes) == 2 and all("mask='causal'" in n for n in notes)

@@ -23,6 +23,7 @@ from typing import Any, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from flax import nnx
 from flax.linen import attention as linen_attention
@@ -138,7 +139,9 @@ def _arguments(query, key, value, bias, mask, is_causal, dropout_rate, dropout_r
     lead = query.shape[:-3]
     flat = lambda x: x.reshape((math.prod(lead),) + x.shape[len(lead):])  # noqa: E731
     # Flax's masks are often float (make_attention_mask's default): non-zero = attend.
-    flat_mask = None if mask is None else _flat_lead(jnp.asarray(mask).astype(bool), lead)
+    # (a NumPy mask stays NumPy, so that a known one is recognised as in explain())
+    flat_mask = None if mask is None else _flat_lead(
+        (np.asarray if isinstance(mask, np.ndarray) else jnp.asarray)(mask).astype(bool), lead)
     flat_bias = None if bias is None else _flat_lead(bias, lead)
     return flat(query), flat(key), flat(value), dict(
         bias=flat_bias, mask=flat_mask, is_causal=is_causal, dropout=dropout_rate,
@@ -235,11 +238,12 @@ def _linen(query, key, value, bias, mask, is_causal, **kwargs):
 def _flat_lead(x, lead):
     """Broadcastable to [batch..., heads, T, S] -> [prod(batch), ...] (as it is for one
     batch dimension)."""
-    x = jnp.asarray(x)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    x = xp.asarray(x)
     if len(lead) == 1:
         return x
     x = x.reshape((1,) * max(0, len(lead) + 3 - x.ndim) + x.shape)
-    x = jnp.broadcast_to(x, lead + x.shape[len(lead):])
+    x = xp.broadcast_to(x, lead + x.shape[len(lead):])
     return x.reshape((-1,) + x.shape[len(lead):])
 
 

@@ -25,10 +25,10 @@ from jax.extend.core import Literal
 
 # Shape and layout, comparison, boolean and selection primitives: exact in any dtype.
 _EXACT = frozenset({
-    "iota", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+    "iota", "broadcast_in_dim", "reshape", "squeeze", "transpose",
     "convert_element_type", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
     "select_n", "concatenate", "slice", "dynamic_slice", "pad", "rev", "max", "min", "neg",
-    "abs", "sign", "clamp", "copy", "copy_p", "reduce_and", "reduce_or", "reduce_max",
+    "abs", "sign", "clamp", "copy", "reduce_and", "reduce_or", "reduce_max",
     "reduce_min", "floor", "ceil", "round", "stop_gradient"})
 # Arithmetic, exact on integers and booleans (float results could round differently).
 _INTEGER = frozenset({"add", "sub", "mul", "div", "rem", "integer_pow", "shift_left",
@@ -36,7 +36,7 @@ _INTEGER = frozenset({"add", "sub", "mul", "div", "rem", "integer_pow", "shift_l
 # Calls whose bodies are checked equation by equation.
 _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
 MAX_EQUATIONS = 512      # equations walked at most
-MAX_ELEMENTS = 1 << 32   # elements of the value (and of any intermediate) at most
+MAX_ELEMENTS = 1 << 31   # elements of the value (and of any intermediate) at most
 MAX_CONSTANT = 1 << 26   # elements of a trace constant read at most
 
 
@@ -50,15 +50,11 @@ def host_value(x, reduce: Optional[Callable] = None):
     ``reduce(x)`` (a pytree of arrays, from jnp code) instead, computed in the same
     XLA program on the host: a large mask need not exist whole on the host."""
     if isinstance(x, np.ndarray):
-        if reduce is None:
-            return x
-        build = lambda: x   # noqa: E731
-    elif isinstance(x, jax.core.Tracer):
-        build = None
-    else:
+        return x if reduce is None else jax.tree.map(np.asarray, reduce(x))
+    if not isinstance(x, jax.core.Tracer):
         return None
     try:
-        build = build or _Graph(x).rebuild
+        build = _Graph(x).rebuild
         try:
             cpu = jax.devices("cpu")[0]
         except RuntimeError:   # (JAX_PLATFORMS without cpu: the default device evaluates)
@@ -146,7 +142,7 @@ def _check(prim, params, out_avals) -> None:
     """Raise _NotConstant unless `prim` (and every equation of a call's body) is exact."""
     name = prim.name
     if name in _CALLS:
-        jaxpr = params.get("jaxpr")
+        jaxpr = params.get("jaxpr", params.get("call_jaxpr"))
         jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
         if jaxpr is None:
             raise _NotConstant

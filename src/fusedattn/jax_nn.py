@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import dispatch
-from .block_sparse.recognise import dense_form
+from .block_sparse.recognise import MAX_ELEMENTS as MAX_PAIRS, dense_form
 from .config import DTYPES
 from .folding import host_value
 from .inputs import value_mean
@@ -175,7 +175,7 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     log-sum-exp is jax.nn's, `_lse_seeing_nothing`)."""
     b, t, n, _ = q.shape
     s = k.shape[1]
-    mask, is_causal, window, note = _known_mask(mask, is_causal, window, t, s, backend)
+    mask, is_causal, window, note = _known_mask(mask, is_causal, window, (b, n, t, s), backend)
     plan, inputs, mask4 = _planned(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
                                    window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
                                    scale=scale, dropout=dropout, rng=rng, backend=backend,
@@ -227,22 +227,26 @@ def masked_plan(q, k, v, **options):
     ShapeDtypeStructs); ``print`` it for the backends, their reasons and the mask's route."""
     mask, is_causal, window, note = _known_mask(
         options.pop("mask", None), options.pop("is_causal", False), options.pop("window", None),
-        q.shape[1], k.shape[1], options.get("backend", "auto"))
+        (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), options.get("backend", "auto"))
     return _planned(q, k, v, mask=mask, is_causal=is_causal, window=window, note=note,
                     **options)[0]
 
 
-def _known_mask(mask, is_causal, window, t, s, backend):
+def _known_mask(mask, is_causal, window, full, backend):
     """(mask, is_causal, window, the line explain() prints or ""): under `auto`, a
     boolean mask whose value is known at trace time (NumPy, or built from constants
     inside the caller's jit: Flax's ``make_causal_mask``, `folding.host_value`) that
     equals a built-in top-left causal mask or window on every pair, given as that:
-    the vendor kernels skip its blocks themselves, and nothing is read on the device."""
-    if backend != "auto" or getattr(mask, "dtype", None) != np.bool_:
+    the vendor kernels skip its blocks themselves, and nothing is read on the device.
+    `full` is ``(B, N, T, S)``; a mask of another shape is left for `_planned` to refuse."""
+    _, _, t, s = full
+    shape = np.shape(mask) if mask is not None else ()
+    if (backend != "auto" or getattr(mask, "dtype", None) != np.bool_ or not 2 <= len(shape) <= 4
+            or t * s > MAX_PAIRS or any(n not in (1, m) for n, m in zip(shape[::-1], full[::-1]))):
         return mask, is_causal, window, ""
-    got = host_value(mask, reduce=_first_and_same) if np.ndim(mask) >= 2 else None
-    if got is None or not got[1] or any(n not in (1, m) for n, m in zip(got[0].shape, (t, s))):
-        return mask, is_causal, window, ""   # (a shape jax.nn refuses: `_planned` says why)
+    got = host_value(mask, reduce=_first_and_same)
+    if got is None or not got[1]:
+        return mask, is_causal, window, ""
     form = dense_form(np.broadcast_to(got[0], (t, s)), "causal" if is_causal else "none",
                       window)
     if form is None or form[0] not in ("causal", "none"):
@@ -256,8 +260,8 @@ def _known_mask(mask, is_causal, window, t, s, backend):
 def _first_and_same(mask):
     """(the mask of the first batch entry and head, whether every other one equals it),
     reduced without forming another copy of the mask."""
-    rows = mask.reshape((-1,) + mask.shape[-2:])
-    return rows[0], jnp.all(rows == rows[:1])
+    rows = mask.reshape((-1,) + mask.shape[-2:])   # (NumPy or jnp alike)
+    return rows[0], (rows == rows[:1]).all()
 
 
 def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_lengths=None,
@@ -295,11 +299,12 @@ def _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t, 
     if mask4 is None and kv_lengths is None and (window is None or t <= s):
         return None  # every row sees at least its diagonal (or, causal, key 0)
     i = jnp.arange(t)[None, :]
-    lo = jnp.zeros((1, t), jnp.int32) if window is None else i - window[0]
+    # (a side of -1 is unbounded, as in fused_attn's windows)
+    lo = jnp.zeros((1, t), jnp.int32) if window is None or window[0] < 0 else i - window[0]
     hi = jnp.full((1, t), s - 1)
     if is_causal:
         hi = jnp.minimum(hi, i)
-    if window is not None:
+    if window is not None and window[1] >= 0:
         hi = jnp.minimum(hi, i + window[1])
     if kv_lengths is not None:
         hi = jnp.minimum(hi, kv_lengths[:, None] - 1)

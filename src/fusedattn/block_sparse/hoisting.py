@@ -22,7 +22,6 @@ along both q and kv (those of q - kv are taken once per run of diagonals), so no
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional, Sequence
 
 import jax
@@ -206,13 +205,7 @@ def hoist(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
           kind: Kind = MASK) -> Hoisted:
     """Split ``fn(b, h, q_idx, kv_idx, *args)`` (a `SCORE` kind: ``fn(score, b, h,
     q_idx, kv_idx, *args)``) at its array reads (`arg_specs`: the args'
-    ShapeDtypeStructs); raises `Unsupported` naming the rule it breaks. Cached per
-    function and shapes: a documents mask_mod's map and its kernel mask share one split."""
-    return _hoist(fn, tuple(arg_specs), batch, heads, s_q, s_kv, kind)
-
-
-@functools.lru_cache(maxsize=256)
-def _hoist(fn, arg_specs, batch, heads, s_q, s_kv, kind) -> Hoisted:
+    ShapeDtypeStructs); raises `Unsupported` naming the rule it breaks."""
     dims = (batch, heads, s_q, s_kv)
     eqns, inputs, consts, out, dep = _program(fn, kind, arg_specs, *dims)
     kernel, frontier = _frontier(kind, eqns, inputs, consts, out, dep, dims)
