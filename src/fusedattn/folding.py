@@ -101,7 +101,8 @@ class _Graph:
             stack += [(t, False) for t in eqn.in_tracers]
 
     def _atom(self, tracer):
-        if not isinstance(tracer, jax.core.Tracer) or getattr(tracer, "_trace", None) is not self.trace:
+        if not isinstance(tracer, jax.core.Tracer) or \
+                getattr(tracer, "_trace", None) is not self.trace:
             raise _NotConstant   # a tracer of an enclosing or inner transformation
         return tracer.val
 

@@ -137,9 +137,10 @@ def traced_plan(fn, *arrays) -> dispatch.Plan:
     arrays may be ShapeDtypeStructs."""
     found = []
     # NumPy arrays stay NumPy (as in a call): a known mask is recognised as it is there.
-    host = [a if isinstance(a, np.ndarray) else None for a in arrays]
-    jax.eval_shape(lambda *a: found.append(fn(*(a if h is None else h for a, h in zip(a, host)))),
-                   *(None if h is not None else a for a, h in zip(arrays, host)))
+    host = [x if isinstance(x, np.ndarray) else None for x in arrays]
+    jax.eval_shape(
+        lambda *traced: found.append(fn(*(x if h is None else h for x, h in zip(traced, host)))),
+        *(None if h is not None else x for x, h in zip(arrays, host)))
     return found[0]
 
 

@@ -39,7 +39,8 @@ def documents(term, element: ElementMask) -> Optional[Documents]:
         return Documents(term.q_ids, term.kv_ids, valid(term.q_ids), valid(term.kv_ids))
     if isinstance(term, MaskMod) and term.reads.args and term.q_pos is None:
         try:
-            split = hoist(term.fn, specs_of(term.args), term.batch, term.heads, element.s_q, element.s_kv)
+            split = hoist(term.fn, specs_of(term.args), term.batch, term.heads, element.s_q,
+                          element.s_kv)
         except Unsupported:
             return None    # (the kernel mask says why, when it is built)
         form = equality(split)
