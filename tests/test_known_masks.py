@@ -24,7 +24,7 @@ from fusedattn import jax_nn
 from fusedattn.block_sparse import recognise
 from fusedattn.folding import host_value
 from support.folding_programs import program
-from support.generated_masks import brute, dense, exhaustive, generated
+from support.generated_masks import check_forms
 
 S = 24
 
@@ -102,17 +102,8 @@ def test_host_value_under_grad_and_of_numpy():
 
 @pytest.mark.parametrize("chunk", range(4))
 def test_dense_form_against_exhaustive_search(chunk):
-    found = 0
-    for seed in range(chunk * 60, chunk * 60 + 60):
-        fn, s_q, s_kv, text = generated(seed)
-        m = brute(fn, s_q, s_kv)
-        form = recognise.dense_form(m)
-        if form is None:
-            assert not exhaustive(m), f"seed {seed}: {text} is built-in, not found"
-        else:
-            found += 1
-            assert np.array_equal(dense(s_q, s_kv, *form), m), f"seed {seed}: {text} -> {form}"
-    assert found > 0
+    check_forms(lambda fn, s_q, s_kv, m: recognise.dense_form(m),
+                range(chunk * 60, chunk * 60 + 60))
 
 
 def test_host_value_reduces_a_large_mask_inside_xla():

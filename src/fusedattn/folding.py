@@ -130,7 +130,8 @@ class _Graph:
 
 
 def _check_eqn(eqn) -> None:
-    """Raise _NotConstant unless `eqn` (None: an input of the traced function) is exact."""
+    """Raise _NotConstant unless `eqn` (None: an input of the traced function) is exact,
+    effect-free and within `MAX_ELEMENTS`."""
     if eqn is None or eqn.effects:
         raise _NotConstant
     avals = [v.aval for v in eqn.outvars]
@@ -148,9 +149,7 @@ def _check(prim, params, out_avals) -> None:
         if jaxpr is None:
             raise _NotConstant
         for eqn in jaxpr.eqns:
-            if eqn.effects:
-                raise _NotConstant
-            _check(eqn.primitive, eqn.params, [v.aval for v in eqn.outvars])
+            _check_eqn(eqn)
         return
     if name in _EXACT:
         return

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import dispatch
-from .block_sparse.recognise import MAX_ELEMENTS as MAX_PAIRS, dense_form
+from .block_sparse.recognise import MAX_ELEMENTS as MAX_PAIRS, dense_form, form_text
 from .config import DTYPES
 from .folding import host_value
 from .inputs import value_mean
@@ -252,9 +252,8 @@ def _known_mask(mask, is_causal, window, full, backend):
                       window)
     if form is None or form[0] not in ("causal", "none"):
         return mask, is_causal, window, ""
-    text = f"mask={form[0]!r}" + (f", window={form[1]}" if form[1] else "")
     return None, form[0] == "causal", form[1], (
-        f"the mask equals {text} on every pair (its value is known at trace time): runs "
+        f"the mask equals {form_text(form)} on every pair (its value is known at trace time): runs "
         f"as that built-in mask")
 
 

@@ -42,6 +42,12 @@ def builtin_form(element: ElementMask) -> Optional[Form]:
     return whole_form(row_groups(element), element.s_kv)
 
 
+def form_text(form: Form) -> str:
+    """A form as `fused_attn`'s arguments read: ``mask='causal', window=(511, 0)``."""
+    mask, window = form
+    return f"mask={mask!r}" + (f", window={window}" if window else "")
+
+
 def dense_form(mask: np.ndarray, mask_kind: str = "none", window=None) -> Optional[Form]:
     """``(mask, window)`` whose built-in mask equals the host boolean `mask` ``[s_q,
     s_kv]`` ANDed with `mask_kind` / `window`, or None."""

@@ -32,7 +32,8 @@ def is_host(x) -> bool:
 
 def row_at(a, b, i):
     """``a[b, i]`` for a ``[B|1, n]`` array, index clipped so overhanging blocks are safe."""
-    xp = np if all(is_host(x) for x in (a, b, i)) else jnp
+    xp = np if all(is_host(x) for x in (a, b, i)) else jnp   # (NumPy on host arrays alone)
+    a = xp.asarray(a)
     b = b if a.shape[0] > 1 else xp.zeros_like(b)
     return a[b, xp.clip(i, 0, a.shape[1] - 1)]
 
@@ -173,8 +174,7 @@ class Intervals:
         return is_host(self.lo) and is_host(self.hi)
 
     def __call__(self, b, h, q, kv):
-        xp = np if self.static and is_host(b) and is_host(q) else jnp
-        lo, hi = row_at(xp.asarray(self.lo), b, q), row_at(xp.asarray(self.hi), b, q)
+        lo, hi = row_at(self.lo, b, q), row_at(self.hi, b, q)
         return (kv >= lo) & (kv <= hi)
 
     def intersect(self, other: "Intervals") -> "Intervals":

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..block_sparse import builtin
-from ..block_sparse.recognise import Group, row_groups, whole_form
+from ..block_sparse.recognise import Group, form_text, row_groups, whole_form
 from ..block_sparse.terms import ElementMask, MaskMod
 from ..config import AttnConfig
 from ..inputs import AttnInputs
@@ -50,11 +50,6 @@ def _groups(config: AttnConfig) -> Optional[Tuple[Group, ...]]:
         return None
 
 
-def _form_text(form) -> str:
-    mask, window = form
-    return f"mask={mask!r}" + (f", window={window}" if window else "")
-
-
 def _name(config: AttnConfig) -> str:
     return getattr(config.score_mod.mask_mod, "__name__", "mask_mod")
 
@@ -69,7 +64,7 @@ def as_builtin(config: AttnConfig) -> Optional[Tuple[AttnConfig, str]]:
     rewritten = dataclasses.replace(
         config, mask=mask, window=window, score_mod=mod.score_mod,
         score_mod_arg_specs=config.score_mod_arg_specs if mod.score_mod is not None else ())
-    note = (f"mask_mod {_name(config)} is {_form_text(form)} on every pair "
+    note = (f"mask_mod {_name(config)} is {form_text(form)} on every pair "
             f"(compared at trace time): runs as that built-in mask")
     return rewritten, note
 
@@ -96,7 +91,7 @@ def as_row_groups(config: AttnConfig):
         window=form[1], score_mod=None, score_mod_arg_specs=()))
         for rows, keys, form in groups)
     parts = "; ".join(f"queries [{r[0]}, {r[1]}) against keys [{k[0]}, {k[1]}) with "
-                      f"{_form_text(f)}" for r, k, f in groups)
+                      f"{form_text(f)}" for r, k, f in groups)
     note = (f"mask_mod {_name(config)} is {parts} (compared at trace time): each runs as "
             f"a call of its own, the rows put back together")
     return calls, note
