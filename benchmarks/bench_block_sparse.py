@@ -17,7 +17,9 @@ the jax.nn drop-in (`fusedattn.dot_product_attention(mask=)`), dispatch included
 "causal_dense_mask" gives it the causal mask as an argument of the step (a map on the
 device), and "causal_dense_mask:built_in_step" builds it inside the step as Flax's
 `make_causal_mask` does (its value known at trace time: it runs as ``mask="causal"``);
-their torch column is torch's causal row.
+their torch column is torch's causal row. "documents_dense_mask:built_in_step" builds the
+document mask inside the step from the ids, as Flax's ``make_attention_mask(ids, ids,
+jnp.equal)`` does (it runs as a mask_mod over the ids, `tracing.mask_program`).
 "documents" is flex_attention's documents mask_mod, ``ids[b, q] == ids[b, kv]``, through
 `fused_attn` (ids in any order: a block map, its ids counted per block);
 "documents:segment_ids" builds the same map with `block_sparse.from_segment_ids` and
@@ -125,6 +127,10 @@ def cases():
     def mask_built_in_step(q, k, v, extra):   # as Flax code builds its causal mask
         return fusedattn.dot_product_attention(q, k, v, mask=jnp.tril(jnp.ones((S, S), bool)))
 
+    def documents_built_in_step(q, k, v, ids):   # Flax's make_attention_mask(ids, ids, equal)
+        mask = ids[:, None, :, None] == ids[:, None, None, :]
+        return fusedattn.dot_product_attention(q, k, v, mask=mask)
+
     # score_mods reading arrays, composed with the masks above (compare with their rows)
     def window_alibi_auto(q, k, v, extra):   # dispatch: the built-in window, ALiBi lowered
         return fusedattn.fused_attn(q, k, v, mask_mod=_window_of_args, score_mod=_alibi,
@@ -145,7 +151,9 @@ def cases():
     return {"sliding_window": window, "sliding_window:block_sparse": window_kernels,
             "prefix_lm": prefix, "documents": documents,
             "documents:segment_ids": documents_ids, "documents:packed": documents_packed,
-            "documents_dense_mask": dense_mask, "documents_causal": documents_causal,
+            "documents_dense_mask": dense_mask,
+            "documents_dense_mask:built_in_step": documents_built_in_step,
+            "documents_causal": documents_causal,
             "causal_dense_mask": dense_mask, "causal_dense_mask:built_in_step": mask_built_in_step,
             "sliding_window+alibi": window_alibi_auto,
             "sliding_window+alibi:block_sparse": window_alibi,
@@ -200,7 +208,9 @@ def route(**options) -> str:
 
 def _steps(plan) -> str:
     if plan.groups:   # a call per run of query rows
-        return "; ".join(f"queries {q} x keys {kv}: {_steps(p)}" for q, kv, p in plan.groups)
+        groups = "; ".join(f"queries {q} x keys {kv}: {_steps(p)}" for q, kv, p in plan.groups)
+        return (f"without a gradient {_steps(plan.inference)}; training: {groups}"
+                if plan.inference is not None else groups)
     return str({s: plan.rivals.for_step(s) for s in measure.STEPS} if plan.rivals
                else plan.chosen)
 
@@ -275,7 +285,8 @@ def main():
                                                     score_mod_args=(SLOPES,))}
     rows = []
     extras = {"documents": ids, "documents:segment_ids": ids, "documents:packed": ids,
-              "documents_dense_mask": dense, "documents_causal": ids,
+              "documents_dense_mask": dense, "documents_dense_mask:built_in_step": ids,
+              "documents_causal": ids,
               "causal_dense_mask": jnp.asarray(np.tril(np.ones((S, S), bool)))[None, None],
               "documents+document_scale": ids}
     for name, fn in list(cases().items()) + [("causal", causal_fn)]:

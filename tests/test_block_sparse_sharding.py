@@ -26,8 +26,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fusedattn
-from fusedattn import dispatch
-from fusedattn.backends import block_sparse as backend
 from support import oracle
 from support import sharding_cases as sc
 from support.sharding_cases import partitioner  # noqa: F401 (a fixture)
@@ -47,17 +45,6 @@ SPLITS = {
     "heads": ((2,), ("tp",), P(None, None, "tp"), P()),
     "batch-heads": ((2, 2), ("dp", "tp"), P("dp", None, "tp"), P("dp")),
 }
-
-
-@pytest.fixture
-def hopper(monkeypatch):
-    """A CUDA platform with a Hopper GPU; the kernels run as the reference list walks."""
-    monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
-    monkeypatch.setattr(backend, "on_hopper", lambda: True)
-    monkeypatch.setattr(backend, "IMPLEMENTATION", "reference")
-    dispatch.clear_cache()
-    yield
-    dispatch.clear_cache()
 
 
 def _mesh(shape, names):
@@ -119,13 +106,13 @@ def _only_the_loss_reduces(text):
 
 @pytest.mark.parametrize("mask", ["window", "documents", "dense"])
 @pytest.mark.parametrize("split", sorted(SPLITS))
-def test_a_split_runs_per_shard(hopper, split, mask):
+def test_a_split_runs_per_shard(hopper_reference, split, mask):
     _check_split(split, mask, jax.sharding.AxisType.Auto)
 
 
 @pytest.mark.parametrize("mask", ["documents", "dense"])
 @pytest.mark.parametrize("split", ["batch", "heads"])
-def test_explicit_mesh_axes(hopper, split, mask):
+def test_explicit_mesh_axes(hopper_reference, split, mask):
     """Sharding in types (Explicit axes, JAX's default mesh): the map's and the list
     walks' gathers run with the axes Auto, the results typed as their arrays."""
     _check_split(split, mask, jax.sharding.AxisType.Explicit)
@@ -149,7 +136,7 @@ def _check_split(split, mask, axis_type):
         assert err < tol, (name, err)
 
 
-def test_both_partitioners_split_the_documents_mask(hopper, partitioner):
+def test_both_partitioners_split_the_documents_mask(hopper_reference, partitioner):
     """Shardy's rule and the GSPMD callbacks alike (the mask_mod reading global rows)."""
     mesh_shape, names, spec, _ = SPLITS["batch-heads"]
     mesh = _mesh(mesh_shape, names)
@@ -161,7 +148,7 @@ def test_both_partitioners_split_the_documents_mask(hopper, partitioner):
     sc.assert_same(single, sharded, TOL_SAME)
 
 
-def test_the_log_sum_exp_is_split_too(hopper):
+def test_the_log_sum_exp_is_split_too(hopper_reference):
     """The drop-in's return_residual (the backend's attention_with_lse): out and lse
     [B, T, N] per shard, nothing moved."""
     mesh_shape, names, spec, mask_spec = SPLITS["batch-heads"]
@@ -180,7 +167,7 @@ def test_the_log_sum_exp_is_split_too(hopper):
     np.testing.assert_allclose(lse, lse_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_the_call_carries_the_rule(hopper):
+def test_the_call_carries_the_rule(hopper_reference):
     """Lowered, the block_sparse call sits in custom_partitioning ops with the Shardy rule
     (the training forward and the backward)."""
     mesh = _mesh((2,), ("dp",))
@@ -194,7 +181,7 @@ def test_the_call_carries_the_rule(hopper):
     assert text.count("sdy.sharding_rule") >= 2
 
 
-def test_explain_states_the_split(hopper):
+def test_explain_states_the_split(hopper_reference):
     """The plan as the FFI backends' (partitioning.describe), and the document ids
     sharded with the batch named as gathered: the rule keeps score_mod_args whole."""
     mesh = _mesh((2, 2), ("dp", "tp"))
@@ -246,7 +233,7 @@ AUTO, EXPLICIT = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
                                                   ("heads", "alibi+documents", AUTO),
                                                   ("batch-heads", "doc_scale+documents", AUTO),
                                                   ("batch", "doc_scale+documents", EXPLICIT)])
-def test_a_learned_table_under_a_split(hopper, split, case, axis_type):
+def test_a_learned_table_under_a_split(hopper_reference, split, case, axis_type):
     """A score_mod reading a learned table (a per-document scale read through the [B, S]
     ids by b, or per-head slopes read by h) on shards: the kernels' reads are hoisted from
     the call's row and head numbers, and the backward step returns the table's gradient
@@ -292,7 +279,7 @@ def test_a_learned_table_under_a_split(hopper, split, case, axis_type):
         assert err < tol, (name, err)
 
 
-def test_a_score_mod_reading_b_and_h_sees_the_calls_numbers(hopper):
+def test_a_score_mod_reading_b_and_h_sees_the_calls_numbers(hopper_reference):
     """On a shard the kernels' own b and h are the shard's: a score_mod reading them
     gets the call's (the shard's first row and head are args, so the values are hoisted
     from them), not wrong numbers."""
@@ -316,7 +303,7 @@ def test_a_score_mod_reading_b_and_h_sees_the_calls_numbers(hopper):
         assert rel_error(got, want) < tol, (name, rel_error(got, want))
 
 
-def test_a_score_mod_without_a_shard_form_is_refused(hopper):
+def test_a_score_mod_without_a_shard_form_is_refused(hopper_reference):
     """A score_mod whose read of the head meets both positions in an operation the
     kernels do not run (``sin(h * (i - j))``) runs unsplit as it is, but on a head shard
     its h must come from the shard's start: no in-kernel form, and the error says so
@@ -372,7 +359,7 @@ def test_the_backward_step_gives_the_tables_gradient():
         assert got.shape == want.shape and rel_error(got, want) < 1e-6
 
 
-def test_padding_lengths_split_with_the_batch(hopper):
+def test_padding_lengths_split_with_the_batch(hopper_reference):
     """Padded sequences (the drop-in's query / key lengths: per-batch arrays, so they
     split with the batch) with a dense mask and rows that see no key, on a batch split:
     each shard builds its map from its own lengths; nothing moves but the loss, and out

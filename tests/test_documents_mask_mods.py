@@ -1,6 +1,6 @@
 """A mask_mod that is a documents mask (``row == column`` ANDed with per-row and
-per-column booleans, the in-kernel form `hoisting` gives ``doc[b, q] == doc[b, kv]``)
-gets the block map of segment ids, counted per block (`block_sparse.documents`):
+per-column booleans, the in-kernel form `hoisting` gives ``doc[b, q] == doc[b, kv]``;
+without the equality, flags alone are one document: a padding mask) gets the block map of segment ids, counted per block (`block_sparse.documents`):
 differential over generated mask_mods, each map against brute force, and the
 recognition exactly where the form is a documents mask."""
 import jax
@@ -72,7 +72,9 @@ def generated(seed):
     c = rng.integers(0, int(rng.integers(1, 6)), (B, s_kv))
     if rng.random() < 0.5:
         a, c = np.sort(a, axis=1), np.sort(c, axis=1)
-    docs = n_eq == 1 and not other and not ored
+    # (with no equality, flags alone are one document: a padding mask)
+    flags = any(n in dict(FLAGS) for n, _ in factors)
+    docs = (n_eq == 1 or (n_eq == 0 and flags)) and not other and not ored
     name = (" | " if ored else " & ").join(n for n, _ in factors)
     return name, mask_mod, docs, (a.astype(np.int32), c.astype(np.int32)), (B, s_q, s_kv)
 

@@ -22,7 +22,7 @@ from jax import lax
 import fusedattn
 from fusedattn import jax_nn
 from fusedattn.block_sparse import recognise
-from fusedattn.folding import host_value
+from fusedattn.tracing.folding import host_value
 from support.folding_programs import program
 from support.generated_masks import check_forms
 

@@ -42,7 +42,8 @@ import numpy as np
 from . import dispatch
 from .block_sparse.recognise import MAX_ELEMENTS as MAX_PAIRS, dense_form, form_text
 from .config import DTYPES
-from .folding import host_value
+from .tracing.folding import host_value
+from .tracing.mask_program import as_mask_mod
 from .inputs import value_mean
 from .sequence import SequenceDescriptor
 from .validation import build_call
@@ -135,6 +136,11 @@ def explain(query, key, value, bias=None, mask=None, *, scale: Optional[float] =
 def traced_plan(fn, *arrays) -> dispatch.Plan:
     """The `Plan` ``fn(*arrays)`` returns, traced on abstract values: nothing runs, and
     arrays may be ShapeDtypeStructs."""
+    if any(isinstance(x, jax.core.Tracer) for x in arrays) and \
+            not any(isinstance(x, jax.ShapeDtypeStruct) for x in arrays):
+        # Inside the caller's trace: a mask built there is read as the call reads it
+        # (what `fn` stages into the trace is unused, and dropped when it compiles).
+        return fn(*arrays)
     found = []
     # NumPy arrays stay NumPy (as in a call): a known mask is recognised as it is there.
     host = [x if isinstance(x, np.ndarray) else None for x in arrays]
@@ -184,7 +190,7 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     # block_sparse's lse is -inf exactly on the rows that see no key, at no extra cost:
     # those rows come from it instead of an S^2 pass over the mask. Where the plan asked
     # for jax.nn's rule (`_planned`), its kernel has written the mean there already.
-    lse_marks_unseen = plan.require() == "block_sparse"
+    lse_marks_unseen = not plan.groups and plan.require() == "block_sparse"
     filled = plan.config.unseen_rows == "mean"
     lse = None
     if need_lse or lse_marks_unseen:
@@ -264,6 +270,11 @@ def _first_and_same(mask):
     return rows[0], (rows == rows[:1]).all()
 
 
+_PROGRAM_NOTE = ("the mask is computed elementwise from arrays read per query row or per key "
+                 "column and from positions (`tracing.mask_program`): runs as a mask_mod over "
+                 "those arrays, no S^2 mask read")
+
+
 def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_lengths=None,
              kv_lengths=None, scale=None, dropout=0.0, rng=None, backend="auto", note="", **_):
     """(plan, inputs, the mask as 4-d or None) of a drop-in call. The boolean mask goes
@@ -279,11 +290,23 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
                         f"additive mask goes in bias")
     sequence = None if q_lengths is None else SequenceDescriptor.from_lengths(q_lengths,
                                                                              kv_lengths)
-    config, inputs = build_call(q, k, v, bias=_broadcast(bias, "bias", b, n, t, s),
-                                dense_mask=_broadcast(mask4, "mask", b, n, t, s),
-                                sequence=sequence, mask="causal" if is_causal else "none",
-                                window=window, scale=scale, dropout=dropout, rng=rng)
-    plan = dispatch.plan(config, backend)
+    common = dict(bias=_broadcast(bias, "bias", b, n, t, s), sequence=sequence,
+                  mask="causal" if is_causal else "none", window=window, scale=scale,
+                  dropout=dropout, rng=rng)
+    dense, plan = _broadcast(mask4, "mask", b, n, t, s), None
+    found = as_mask_mod(dense) if backend == "auto" else None
+    if found is not None:
+        config, inputs = build_call(q, k, v, mask_mod=found[0], score_mod_args=found[1],
+                                    **common)
+        plan = dispatch.plan(config, backend)
+        if plan.groups or plan.preferred == "block_sparse" or (plan.preferred and plan.rewritten):
+            note = "; ".join(filter(None, (note, _PROGRAM_NOTE, plan.rewritten)))
+            mask4 = None   # (every row of a rewritten or grouped plan sees a key)
+        else:
+            plan = None    # (elsewhere the mask runs as it is)
+    if plan is None:
+        config, inputs = build_call(q, k, v, dense_mask=dense, **common)
+        plan = dispatch.plan(config, backend)
     chosen = plan.preferred and dispatch.load_backend(plan.preferred)
     if getattr(chosen, "averages_unseen_rows", False):
         mean = dataclasses.replace(config, unseen_rows="mean")

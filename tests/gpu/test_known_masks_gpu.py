@@ -17,7 +17,7 @@ import pytest
 
 import fusedattn
 from fusedattn import jax_nn
-from fusedattn.folding import host_value
+from fusedattn.tracing.folding import host_value
 from support import attn_cases as ac
 from support import oracle
 from support.folding_programs import program

@@ -3,9 +3,10 @@ valid). Their block maps count ids per block instead of evaluating pairs
 (`classify`), so this module finds the ids of a term that is one: segment ids, or a
 mask_mod whose in-kernel form (`hoisting`) is ``row == column`` ANDed with per-row
 and per-column booleans, as ``doc[b, q] == doc[b, kv]`` (flex_attention's documents
-mask_mod) and its padding tests ``& (doc[b, q] != 0)`` are. Factors of the positions
-alone may be ANDed in (``& (kv <= q)``, causal documents): they are kept as a static
-mask_mod, whose blocks `classify` evaluates at trace time.
+mask_mod) and its padding tests ``& (doc[b, q] != 0)`` are; a padding mask
+(``valid[b, q] & valid[b, kv]``) is one document. Factors of the positions alone may
+be ANDed in (``& (kv <= q)``, causal documents): they are kept as a static mask_mod,
+whose blocks `classify` evaluates at trace time.
 """
 from __future__ import annotations
 
@@ -46,11 +47,14 @@ def documents(term, element: ElementMask) -> Optional[Documents]:
         form = equality(split)
         if form is None:
             return None
-        (r, c), row_flags, col_flags, at = form
+        pair, row_flags, col_flags, at = form
         rows, cols = split.values(term.args)   # int32 [B|1, s]: bools as 0 / 1
         positions = MaskMod(split.positions_fn(at), reads=Reads(False, False, False),
                             batch=1, heads=1) if at else None
-        return Documents(rows[r], cols[c], _all(rows, row_flags), _all(cols, col_flags),
+        # (no ``row == column`` factor: one document, the flags saying who is in it)
+        q_ids, kv_ids = (rows[pair[0]], cols[pair[1]]) if pair else (
+            np.zeros((1, element.s_q), np.int32), np.zeros((1, element.s_kv), np.int32))
+        return Documents(q_ids, kv_ids, _all(rows, row_flags), _all(cols, col_flags),
                          positions)
     return None
 
@@ -59,7 +63,8 @@ def equality(split: Hoisted):
     """``((row value, column value), row flags, column flags, factors of positions)``,
     as indices into the in-kernel form's row / column values (the factors as its
     variables), when that form is ``row == column`` ANDed with boolean row and column
-    values and booleans of the positions alone; else None."""
+    values and booleans of the positions alone; else None. Without the equality (a
+    padding mask: ``valid[b, q] & valid[b, kv]``) the pair is None."""
     eqns, rows, cols, out = split.in_kernel
     by_id = {id(o): e for e in eqns for o in e.outs}   # (literals are unhashable)
     producer = lambda v: by_id.get(id(v))   # noqa: E731
@@ -96,8 +101,9 @@ def equality(split: Hoisted):
             pairs.append((_index(a, rows), _index(b, cols)))
         else:
             return None   # any other factor (the head, arithmetic of ids): not ids
-    return (pairs[0], tuple(row_flags), tuple(col_flags), tuple(at)) if len(pairs) == 1 \
-        else None
+    if len(pairs) > 1:
+        return None
+    return (pairs[0] if pairs else None), tuple(row_flags), tuple(col_flags), tuple(at)
 
 
 def _member(v, values) -> bool:

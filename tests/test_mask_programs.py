@@ -1,0 +1,225 @@
+"""A drop-in's boolean mask computed inside the caller's jit from arrays read per query
+row or per key column and from positions runs as a mask_mod over those arrays
+(`tracing.mask_program`), with no S^2 mask read.
+
+* The rewrite is checked differentially: generated masks (`support.mask_programs`)
+  are traced, rewritten, and the program evaluated on every element (and on scattered
+  rows and columns) must equal the mask; two traces give equal programs.
+* Masks it must not rewrite give None: the mask itself passed in, a float product, a
+  random draw, a constant table read by both positions.
+* The drop-ins, with block_sparse usable (its kernels as the reference list walks):
+  Flax's padding mask ANDed with its causal mask, and its document mask from ids in
+  any order with a padding flag, run as mask_mods (explain() says so, the documents
+  map counts ids per block) with outputs and gradients equal to the same mask passed
+  as data and to the float64 oracle; a prefix-LM mask built in the step runs as row
+  groups; a named backend, or no Hopper, keeps the mask.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fusedattn
+from fusedattn import dispatch
+from fusedattn.backends import block_sparse as backend
+from fusedattn.block_sparse import classify
+from fusedattn.tracing.mask_program import as_mask_mod
+from support import oracle
+from support.mask_programs import inputs, program
+
+B, N, T, S = 2, 3, 20, 24
+
+
+def _checked(cases):
+    """Per case ``(fn, args)``: (its program and arrays, or None; whether the program
+    equals the mask on every element; whether it does on scattered rows and columns),
+    all cases traced in one jit (one compilation)."""
+    seen = []
+    rows = np.random.default_rng(0).permutation(T)[:7].astype(np.int32)
+    cols = np.random.default_rng(1).permutation(S)[:5].astype(np.int32)
+
+    def one(fn, args):
+        m = fn(*args)
+        found = as_mask_mod(m)
+        seen.append(found)
+        if found is None:
+            return jnp.bool_(False), jnp.bool_(False)
+        prog, arrays = found
+        grid = [jnp.arange(n, dtype=jnp.int32).reshape([-1 if a == ax else 1 for a in range(4)])
+                for ax, n in enumerate(m.shape)]
+        whole = prog(*grid, *arrays)
+        i, j = jnp.asarray(rows).reshape(1, 1, -1, 1), jnp.asarray(cols).reshape(1, 1, 1, -1)
+        some = prog(grid[0], grid[1], i, j, *arrays)
+        want = m[:, :, rows][:, :, :, cols]
+        return (jnp.asarray(whole.dtype == jnp.bool_) & (jnp.broadcast_to(whole, m.shape) == m).all(),
+                (jnp.broadcast_to(some, want.shape) == want).all())
+    flags = jax.jit(lambda args: [one(fn, a) for (fn, _), a in zip(cases, args)])(
+        [a for _, a in cases])
+    return [(f, bool(w), bool(s)) for f, (w, s) in zip(seen, flags)]
+
+
+@pytest.mark.parametrize("chunk", range(3))
+def test_generated_masks_equal_their_programs(chunk):
+    seeds = range(chunk * 50, chunk * 50 + 50)
+    cases = [(program(seed, B, N, T, S), inputs(seed, B, T, S)) for seed in seeds]
+    results = _checked([(fn, args) for (fn, _), args in cases])
+    for seed, ((_, text), _), (found, whole, some) in zip(seeds, cases, results):
+        assert found is not None, f"seed {seed}: {text} not rewritten"
+        assert whole, f"seed {seed}: {text}"
+        assert some, f"seed {seed}: {text} (scattered indices)"
+
+
+def test_two_traces_give_equal_programs():
+    fn, text = program(7, B, N, T, S)
+    (a, _, _), (b, _, _) = _checked([(fn, inputs(7, B, T, S))] * 2)
+    assert a[0] == b[0] and hash(a[0]) == hash(b[0]), text
+
+
+@pytest.mark.parametrize("name", ["the mask itself", "float product", "random draw",
+                                  "constant table"])
+def test_masks_read_by_both_positions_are_not_rewritten(name):
+    r, c, g = inputs(0, B, T, S)
+    table = np.random.default_rng(0).random((T, S)) > 0.5
+    fn = {"the mask itself": lambda m, r, c: m,
+          "float product": lambda m, r, c: (r[:, None, :, None].astype(jnp.float32) * 0.3 *
+                                            c[:, None, None, :].astype(jnp.float32)) > 0.5,
+          "random draw": lambda m, r, c: jax.random.bernoulli(jax.random.key(0), 0.5,
+                                                              (B, 1, T, S)) & (r[:, None, :, None] > 0),
+          "constant table": lambda m, r, c: jnp.asarray(table)[None, None] & (r[:, None, :, None] > 0),
+          }[name]
+    found = []
+    jax.jit(lambda m, r, c: found.append(as_mask_mod(fn(m, r, c))))(
+        jnp.ones((B, 1, T, S), bool), r, c)
+    assert found == [None]
+
+
+# -- the drop-ins ----------------------------------------------------------------------
+
+SB, SS, SH, SD = 2, 256, 4, 64
+TOL_OUT, TOL_GRAD = 2e-2, 4e-2   # bf16 against float64 (test_block_sparse_dispatch's)
+
+
+def _qkvo():
+    keys = jax.random.split(jax.random.key(3), 4)
+    return [jax.random.normal(kk, (SB, SS, SH, SD), jnp.bfloat16) for kk in keys]
+
+
+def _tokens():
+    tok = np.ones((SB, SS), np.int32)
+    tok[0, 200:] = 0          # trailing padding
+    tok[1, 60:90] = 0         # a gap
+    return jnp.asarray(tok)
+
+
+def _segments():
+    seg = np.repeat(np.array([[3, 1, 2, 1], [2, 2, 0, 1]]), SS // 4, axis=1)   # ids in any order
+    return jnp.asarray(seg.astype(np.int32))
+
+
+def flax_padding_causal(q, k, v, tok):
+    mask = nn.combine_masks(nn.make_attention_mask(tok > 0, tok > 0), nn.make_causal_mask(tok))
+    return fusedattn.flax.attention_fn(q, k, v, mask=mask)
+
+
+def flax_documents(q, k, v, seg):   # id 0: padding, sees nothing
+    mask = nn.combine_masks(nn.make_attention_mask(seg, seg, jnp.equal),
+                            nn.make_attention_mask(seg != 0, seg != 0))
+    return fusedattn.dot_product_attention(q, k, v, mask=mask.astype(bool))
+
+
+def _as_data(a, documents):
+    if documents:
+        return (a[:, None, :, None] == a[:, None, None, :]) & (a != 0)[:, None, :, None] & \
+            (a != 0)[:, None, None, :]
+    return (a[:, None, :, None] > 0) & (a[:, None, None, :] > 0) & jnp.tril(jnp.ones((SS, SS), bool))
+
+
+def _plan_in_trace(fn, *args):
+    """explain() of the drop-in call inside the same jit trace as the call."""
+    found = []
+
+    def traced(q, k, v, a):
+        if fn is flax_documents:
+            mask = nn.combine_masks(nn.make_attention_mask(a, a, jnp.equal),
+                                    nn.make_attention_mask(a != 0, a != 0)).astype(bool)
+            found.append(fusedattn.jax_nn.explain(q, k, v, mask=mask))
+        else:
+            mask = nn.combine_masks(nn.make_attention_mask(a > 0, a > 0), nn.make_causal_mask(a))
+            found.append(fusedattn.flax.explain(q, k, v, mask=mask))
+        return q
+    jax.eval_shape(traced, *args)
+    return found[0]
+
+
+@pytest.mark.parametrize("fn", [flax_padding_causal, flax_documents], ids=lambda f: f.__name__)
+def test_dropin_masks_run_as_mask_mods(fn, hopper_reference, monkeypatch):
+    q, k, v, do = _qkvo()
+    documents = fn is flax_documents
+    a = _segments() if documents else _tokens()
+    plan = _plan_in_trace(fn, q, k, v, a)
+    assert plan.chosen == "block_sparse" and "mask_program" in plan.rewritten, str(plan)
+    assert not plan.config.has_dense_mask, str(plan)
+    counted = []
+    inner = classify.documents
+    monkeypatch.setattr(classify, "documents",
+                        lambda t, e: counted.append(inner(t, e)) or counted[-1])
+
+    def run(f, extra):
+        return jax.jit(lambda q, k, v, x: jax.vjp(lambda q, k, v: f(q, k, v, x), q, k, v)[1](do)
+                       + (f(q, k, v, x),))(q, k, v, extra)
+    *grads, out = run(fn, a)
+    assert any(c is not None for c in counted), "the map did not count ids"
+    data = _as_data(a, documents)
+    *grads_data, out_data = run(lambda q, k, v, m: fusedattn.dot_product_attention(
+        q, k, v, mask=m), data)
+    for name, x, y in zip(("dq", "dk", "dv", "out"), (*grads, out), (*grads_data, out_data)):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   atol=1e-6, err_msg=name)
+    # against float64, with jax.nn's rule: a row that sees no key averages all values
+    f64 = lambda x: np.asarray(x, np.float64)   # noqa: E731
+    vis = np.asarray(data)
+    ref = oracle.attention(f64(q), f64(k), f64(v), bias=np.where(vis, 0.0, -np.inf),
+                           d_out=f64(do))
+    empty = ~np.isfinite(ref.lse).transpose(0, 2, 1)[..., None]      # [B, T, H, 1]
+    want_out = np.where(empty, f64(v).mean(1)[:, None], ref.out)
+    dv = ref.dv + (f64(do) * empty).sum(1)[:, None] / SS
+    for name, x, y, tol in (("out", out, want_out, TOL_OUT), ("dq", grads[0], ref.dq, TOL_GRAD),
+                            ("dk", grads[1], ref.dk, TOL_GRAD), ("dv", grads[2], dv, TOL_GRAD)):
+        err = np.linalg.norm(f64(x) - y) / max(np.linalg.norm(y), 1e-12)
+        assert err < tol, (name, err)
+    assert empty.any() or not documents   # (id 0 rows see nothing: the rule is exercised)
+
+
+def test_a_named_backend_or_no_hopper_keeps_the_mask(hopper_reference, monkeypatch):
+    q, k, v, _ = _qkvo()
+    seg = _segments()
+
+    def plan(implementation=None):
+        found = []
+
+        def traced(q, seg):
+            mask = nn.make_attention_mask(seg, seg, jnp.equal).astype(bool)
+            found.append(fusedattn.jax_nn.explain(q, q, q, mask=mask,
+                                                  implementation=implementation))
+            return q
+        jax.eval_shape(traced, q, seg)
+        return found[0]
+    assert plan().chosen == "block_sparse" and not plan().config.has_dense_mask
+    named = plan("block_sparse")
+    assert named.config.has_dense_mask and "mask_program" not in named.rewritten
+    monkeypatch.setattr(backend, "on_hopper", lambda: False)
+    dispatch.clear_cache()
+    assert plan().config.has_dense_mask and plan().chosen == "xla"
+
+
+def test_a_prefix_mask_built_in_the_step_runs_as_row_groups(hopper_reference):
+    q = jnp.zeros((SB, SS, SH, SD), jnp.bfloat16)
+    found = []
+
+    def traced(q):
+        i, j = jnp.arange(SS)[:, None], jnp.arange(SS)[None, :]
+        found.append(fusedattn.jax_nn.explain(q, q, q, mask=(j <= i) | (j < 64)))
+        return q
+    jax.eval_shape(traced, q)
+    assert found[0].groups and "mask_program" in found[0].rewritten, str(found[0])
