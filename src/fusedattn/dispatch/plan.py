@@ -14,7 +14,9 @@ runs, the config it would receive.
 Under `auto`, a mask_mod that equals a built-in mask on every pair is planned as that
 mask (`recognised`): the plan's config is then the rewritten one, and explain() says so.
 One whose query rows fall into runs that are each a built-in mask of a range of keys
-(prefix-LM) runs as one call per run, each with a plan of its own (`groups`).
+(prefix-LM) runs as one call per run, each with a plan of its own (`groups`); where
+block_sparse runs the whole call, calls without a gradient run that instead
+(`inference`).
 
 Where backends of a rival group (`measure.RIVALS`: cudnn and flash on CUDA)
 can both run a config, `auto` picks by a measurement on this GPU, separately for
@@ -112,6 +114,10 @@ class Plan:
     # (query rows, key rows, Plan) per run of rows run as a call of its own
     # (`recognised.as_row_groups`); then `preferred` is None and `reasons` empty.
     groups: Tuple[Tuple[Tuple[int, int], Tuple[int, int], "Plan"], ...] = ()
+    # With `groups`: block_sparse's plan of the whole call, run by calls without a
+    # gradient (one kernel, no slicing or concatenation), or None. Training steps keep
+    # the groups, whose backward is the faster.
+    inference: Optional["Plan"] = None
 
     @property
     def chosen(self) -> Optional[str]:
@@ -151,6 +157,9 @@ class Plan:
     def run(self, inputs):
         """Run the call this plan describes on `inputs` (an `AttnInputs`)."""
         if self.groups:
+            if self.inference is not None:
+                return recognised.run_groups_to_train(self.config, self.groups,
+                                                      self.inference, inputs)
             return recognised.run_groups(self.config, self.groups, inputs)
         name = self.require()
         strategy = self.strategy
@@ -230,6 +239,9 @@ class Plan:
     def __str__(self) -> str:
         head = f"fusedattn plan on {self.platform} for {self.config.short()}"
         lines = [head] + ([self.rewritten] if self.rewritten else [])
+        if self.inference is not None:
+            lines.append("calls without a gradient run block_sparse over the whole map (one "
+                         "kernel, no concatenation); training steps run these calls:")
         if self.groups:
             for q_rows, kv_rows, sub in self.groups:
                 lines.append(self.group_label(q_rows, kv_rows) + ":")
@@ -300,8 +312,11 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
         calls, rewritten = split
         groups = tuple((q_rows, kv_rows, plan(sub, "auto", platform))
                        for q_rows, kv_rows, sub in calls)
+        # (asked as any backend is: the Hopper check and every other reason apply)
+        inference = (plan(config, "block_sparse", platform)
+                     if _reason("block_sparse", config, platform) is None else None)
         return _cached(key, Plan(config, platform, requested, None, (),
-                                 rewritten=rewritten, groups=groups))
+                                 rewritten=rewritten, groups=groups, inference=inference))
     if requested == "auto":
         found = recognised.as_builtin(config)
         if found is not None:
@@ -343,6 +358,8 @@ def _cached(key, result: Plan) -> Plan:
         if key not in _plans:
             runs = (f"a call per run of rows ({[_unmeasured(p) for *_, p in result.groups]})"
                     if result.groups else _unmeasured(result))
+            if result.inference is not None:
+                runs += "; without a gradient block_sparse"
             log.info("fusedattn: %s on %s -> %s", result.config.short(), result.platform, runs)
         _plans[key] = result
     return result

@@ -12,7 +12,8 @@ pair at trace time (`block_sparse.recognise`):
   of keys (prefix-LM: rows ``[0, P)`` see keys ``[0, P)``, the rest bottom-right
   causal), each run is planned as a call of its own and the outputs are put back
   together row by row (`as_row_groups`, `run_groups`): no merge, since every row is
-  computed by exactly one call, and autodiff adds the key gradients.
+  computed by exactly one call, and autodiff adds the key gradients. Where block_sparse
+  runs the whole call, calls without a gradient run that (`run_groups_to_train`).
 
 ``explain()`` says so. A backend asked for by name gets the call as written.
 """
@@ -111,6 +112,35 @@ def run_groups(config: AttnConfig, groups, inputs: AttnInputs, with_lse: bool = 
         return jnp.concatenate(results, axis=axis)
     return (jnp.concatenate([o for o, _ in results], axis=axis),
             jnp.concatenate([lse for _, lse in results], axis=2))
+
+
+def run_groups_to_train(config: AttnConfig, groups, whole, inputs: AttnInputs):
+    """The call as `whole` (one plan of the whole call) where no derivative is taken,
+    and as `run_groups` where one is: a custom_vjp whose primal runs `whole` and whose
+    forward rule runs the groups, keeping their vjp for the backward."""
+    # Only q, k, v (and the sink offsets) are the custom_vjp's arguments; the rest is
+    # closed over. A closed-over tracer being differentiated cannot enter a custom_vjp,
+    # so the score_mod_args (a static mask_mod's: the groups never read them) enter
+    # without a gradient, which is 0 in the groups too.
+    names = ("q", "k", "v") + (("softmax_offset",) if inputs.softmax_offset is not None else ())
+    rest = inputs._replace(score_mod_args=tuple(
+        jax.lax.stop_gradient(a) for a in inputs.score_mod_args))
+
+    def with_arrays(arrays):
+        return rest._replace(**dict(zip(names, arrays)))
+
+    @jax.custom_vjp
+    def attend(*arrays):
+        return whole.run(with_arrays(arrays))
+
+    def forward(*arrays):
+        return jax.vjp(lambda *a: run_groups(config, groups, with_arrays(a)), *arrays)
+
+    def backward(vjp, d_out):
+        return vjp(d_out)
+
+    attend.defvjp(forward, backward)
+    return attend(*(getattr(inputs, name) for name in names))
 
 
 def inputs_for(config: AttnConfig, inputs: AttnInputs) -> AttnInputs:
