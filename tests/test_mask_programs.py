@@ -5,14 +5,18 @@ row or per key column and from positions runs as a mask_mod over those arrays
 * The rewrite is checked differentially: generated masks (`support.mask_programs`)
   are traced, rewritten, and the program evaluated on every element (and on scattered
   rows and columns) must equal the mask; two traces give equal programs.
+* Whether the mask holds on the diagonal for any arrays' values, where the program
+  says so, is checked on the generated masks and named Flax masks.
 * Masks it must not rewrite give None: the mask itself passed in, a float product, a
   random draw, a constant table read by both positions.
 * The drop-ins, with block_sparse usable (its kernels as the reference list walks):
   Flax's padding mask ANDed with its causal mask, and its document mask from ids in
-  any order with a padding flag, run as mask_mods (explain() says so, the documents
-  map counts ids per block) with outputs and gradients equal to the same mask passed
-  as data and to the float64 oracle; a prefix-LM mask built in the step runs as row
-  groups; a named backend, or no Hopper, keeps the mask.
+  any order with a padding flag or without (then every row sees its own key: the
+  program knows the mask holds on the diagonal, and no mean of the values is written),
+  run as mask_mods (explain() says so, the documents map counts ids per block) with
+  outputs and gradients equal to the same mask passed as data and to the float64
+  oracle; a prefix-LM mask built in the step runs as row groups; a named backend, or
+  no Hopper, keeps the mask.
 """
 import flax.linen as nn
 import jax
@@ -44,19 +48,21 @@ def _checked(cases):
         found = as_mask_mod(m)
         seen.append(found)
         if found is None:
-            return jnp.bool_(False), jnp.bool_(False)
-        prog, arrays = found
+            return jnp.bool_(False), jnp.bool_(False), jnp.bool_(False)
+        prog, arrays, _ = found
         grid = [jnp.arange(n, dtype=jnp.int32).reshape([-1 if a == ax else 1 for a in range(4)])
                 for ax, n in enumerate(m.shape)]
         whole = prog(*grid, *arrays)
         i, j = jnp.asarray(rows).reshape(1, 1, -1, 1), jnp.asarray(cols).reshape(1, 1, 1, -1)
         some = prog(grid[0], grid[1], i, j, *arrays)
         want = m[:, :, rows][:, :, :, cols]
+        d = min(T, S)   # (a program said true on the diagonal must be, for these arrays)
+        diagonal = ~found.diagonal | m[:, :, jnp.arange(d), jnp.arange(d)].all()
         return (jnp.asarray(whole.dtype == jnp.bool_) & (jnp.broadcast_to(whole, m.shape) == m).all(),
-                (jnp.broadcast_to(some, want.shape) == want).all())
+                (jnp.broadcast_to(some, want.shape) == want).all(), diagonal)
     flags = jax.jit(lambda args: [one(fn, a) for (fn, _), a in zip(cases, args)])(
         [a for _, a in cases])
-    return [(f, bool(w), bool(s)) for f, (w, s) in zip(seen, flags)]
+    return [(f, bool(w), bool(s), bool(d)) for f, (w, s, d) in zip(seen, flags)]
 
 
 @pytest.mark.parametrize("chunk", range(3))
@@ -64,16 +70,36 @@ def test_generated_masks_equal_their_programs(chunk):
     seeds = range(chunk * 50, chunk * 50 + 50)
     cases = [(program(seed, B, N, T, S), inputs(seed, B, T, S)) for seed in seeds]
     results = _checked([(fn, args) for (fn, _), args in cases])
-    for seed, ((_, text), _), (found, whole, some) in zip(seeds, cases, results):
+    for seed, ((_, text), _), (found, whole, some, diagonal) in zip(seeds, cases, results):
         assert found is not None, f"seed {seed}: {text} not rewritten"
         assert whole, f"seed {seed}: {text}"
         assert some, f"seed {seed}: {text} (scattered indices)"
+        assert diagonal, f"seed {seed}: {text} said true on the diagonal"
+    assert any(f.diagonal for f, *_ in results) and not all(f.diagonal for f, *_ in results)
 
 
 def test_two_traces_give_equal_programs():
     fn, text = program(7, B, N, T, S)
-    (a, _, _), (b, _, _) = _checked([(fn, inputs(7, B, T, S))] * 2)
+    (a, *_), (b, *_) = _checked([(fn, inputs(7, B, T, S))] * 2)
     assert a[0] == b[0] and hash(a[0]) == hash(b[0]), text
+
+
+@pytest.mark.parametrize("mask,diagonal", [
+    (lambda s: nn.make_attention_mask(s, s, jnp.equal), True),
+    (lambda s: nn.combine_masks(nn.make_attention_mask(s, s, jnp.equal),
+                                nn.make_causal_mask(s)), True),
+    (lambda s: nn.combine_masks(nn.make_attention_mask(s, s, jnp.equal),
+                                nn.make_attention_mask(s != 0, s != 0)), False),
+    (lambda s: nn.make_attention_mask(s > 0, s > 0), False),
+    (lambda s: nn.make_attention_mask(s, s, jnp.greater_equal), True),
+    (lambda s: nn.make_attention_mask(s, s[:, ::-1], jnp.equal), False),
+], ids=["documents", "causal documents", "documents, padding id", "padding", "ids >=",
+        "reversed ids"])
+def test_the_diagonal_is_known_where_it_holds_for_any_ids(mask, diagonal):
+    found = []
+    jax.jit(lambda s: found.append(as_mask_mod(mask(s).astype(bool))))(
+        jnp.zeros((B, T), jnp.int32))
+    assert found[0] is not None and found[0].diagonal == diagonal
 
 
 @pytest.mark.parametrize("name", ["the mask itself", "float product", "random draw",
@@ -128,8 +154,15 @@ def flax_documents(q, k, v, seg):   # id 0: padding, sees nothing
     return fusedattn.dot_product_attention(q, k, v, mask=mask.astype(bool))
 
 
-def _as_data(a, documents):
-    if documents:
+def flax_packed(q, k, v, seg):   # every id a document: each row sees its own key
+    mask = nn.make_attention_mask(seg, seg, jnp.equal)
+    return fusedattn.flax.attention_fn(q, k, v, mask=mask)
+
+
+def _as_data(a, fn):
+    if fn is flax_packed:
+        return a[:, None, :, None] == a[:, None, None, :]
+    if fn is flax_documents:
         return (a[:, None, :, None] == a[:, None, None, :]) & (a != 0)[:, None, :, None] & \
             (a != 0)[:, None, None, :]
     return (a[:, None, :, None] > 0) & (a[:, None, None, :] > 0) & jnp.tril(jnp.ones((SS, SS), bool))
@@ -140,7 +173,9 @@ def _plan_in_trace(fn, *args):
     found = []
 
     def traced(q, k, v, a):
-        if fn is flax_documents:
+        if fn is flax_packed:
+            found.append(fusedattn.flax.explain(q, k, v, mask=nn.make_attention_mask(a, a, jnp.equal)))
+        elif fn is flax_documents:
             mask = nn.combine_masks(nn.make_attention_mask(a, a, jnp.equal),
                                     nn.make_attention_mask(a != 0, a != 0)).astype(bool)
             found.append(fusedattn.jax_nn.explain(q, k, v, mask=mask))
@@ -152,14 +187,16 @@ def _plan_in_trace(fn, *args):
     return found[0]
 
 
-@pytest.mark.parametrize("fn", [flax_padding_causal, flax_documents], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [flax_padding_causal, flax_documents, flax_packed],
+                         ids=lambda f: f.__name__)
 def test_dropin_masks_run_as_mask_mods(fn, hopper_reference, monkeypatch):
     q, k, v, do = _qkvo()
-    documents = fn is flax_documents
-    a = _segments() if documents else _tokens()
+    a = _tokens() if fn is flax_padding_causal else _segments()
     plan = _plan_in_trace(fn, q, k, v, a)
     assert plan.chosen == "block_sparse" and "mask_program" in plan.rewritten, str(plan)
     assert not plan.config.has_dense_mask, str(plan)
+    # (with every row seeing a key, no kernel writes, nor pass computes, jax.nn's mean)
+    assert (plan.config.unseen_rows == "mean") == (fn is not flax_packed), str(plan)
     counted = []
     inner = classify.documents
     monkeypatch.setattr(classify, "documents",
@@ -170,7 +207,7 @@ def test_dropin_masks_run_as_mask_mods(fn, hopper_reference, monkeypatch):
                        + (f(q, k, v, x),))(q, k, v, extra)
     *grads, out = run(fn, a)
     assert any(c is not None for c in counted), "the map did not count ids"
-    data = _as_data(a, documents)
+    data = _as_data(a, fn)
     *grads_data, out_data = run(lambda q, k, v, m: fusedattn.dot_product_attention(
         q, k, v, mask=m), data)
     for name, x, y in zip(("dq", "dk", "dv", "out"), (*grads, out), (*grads_data, out_data)):
@@ -188,7 +225,7 @@ def test_dropin_masks_run_as_mask_mods(fn, hopper_reference, monkeypatch):
                             ("dk", grads[1], ref.dk, TOL_GRAD), ("dv", grads[2], dv, TOL_GRAD)):
         err = np.linalg.norm(f64(x) - y) / max(np.linalg.norm(y), 1e-12)
         assert err < tol, (name, err)
-    assert empty.any() or not documents   # (id 0 rows see nothing: the rule is exercised)
+    assert empty.any() == (fn is not flax_packed)   # (padded rows see nothing)
 
 
 def test_a_named_backend_or_no_hopper_keeps_the_mask(hopper_reference, monkeypatch):

@@ -183,14 +183,13 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     b, t, n, _ = q.shape
     s = k.shape[1]
     mask, is_causal, window, note = _known_mask(mask, is_causal, window, (b, n, t, s), backend)
-    plan, inputs, mask4 = _planned(q, k, v, bias=bias, mask=mask, is_causal=is_causal,
-                                   window=window, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                                   scale=scale, dropout=dropout, rng=rng, backend=backend,
-                                   note=note)
+    plan, inputs, mask4, rows_see_keys = _planned(
+        q, k, v, bias=bias, mask=mask, is_causal=is_causal, window=window, q_lengths=q_lengths,
+        kv_lengths=kv_lengths, scale=scale, dropout=dropout, rng=rng, backend=backend, note=note)
     # block_sparse's lse is -inf exactly on the rows that see no key, at no extra cost:
     # those rows come from it instead of an S^2 pass over the mask. Where the plan asked
     # for jax.nn's rule (`_planned`), its kernel has written the mean there already.
-    lse_marks_unseen = not plan.groups and plan.require() == "block_sparse"
+    lse_marks_unseen = not rows_see_keys and not plan.groups and plan.require() == "block_sparse"
     filled = plan.config.unseen_rows == "mean"
     lse = None
     if need_lse or lse_marks_unseen:
@@ -277,11 +276,14 @@ _PROGRAM_NOTE = ("the mask is computed elementwise from arrays read per query ro
 
 def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_lengths=None,
              kv_lengths=None, scale=None, dropout=0.0, rng=None, backend="auto", note="", **_):
-    """(plan, inputs, the mask as 4-d or None) of a drop-in call. The boolean mask goes
-    in as a mask: dispatch runs it as a block map where a backend takes one, else as
-    jax.nn's additive bias (`inputs.mask_as_bias`). Where the chosen backend writes
-    jax.nn's rows that see no key itself (``averages_unseen_rows``), the plan asks it
-    to (`AttnConfig.unseen_rows`); else `masked_attention` overwrites them."""
+    """(plan, inputs, the mask as 4-d or None, whether every row is known to see a key)
+    of a drop-in call. The boolean mask goes in as a mask: dispatch runs it as a block
+    map where a backend takes one, else as jax.nn's additive bias (`inputs.mask_as_bias`);
+    under `auto`, one built in the caller's trace from per-row and per-column arrays runs
+    as a mask_mod over them (`tracing.mask_program`) where that reaches block_sparse, row
+    groups or a built-in mask. Where the chosen backend writes jax.nn's rows that see no
+    key itself (``averages_unseen_rows``), the plan asks it to (`AttnConfig.unseen_rows`);
+    else `masked_attention` overwrites them."""
     b, t, n, _ = q.shape
     s = k.shape[1]
     mask4 = None if mask is None else _as_4d(mask, "mask")
@@ -293,28 +295,31 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
     common = dict(bias=_broadcast(bias, "bias", b, n, t, s), sequence=sequence,
                   mask="causal" if is_causal else "none", window=window, scale=scale,
                   dropout=dropout, rng=rng)
-    dense, plan = _broadcast(mask4, "mask", b, n, t, s), None
+    dense, plan, rows_see_keys = _broadcast(mask4, "mask", b, n, t, s), None, False
     found = as_mask_mod(dense) if backend == "auto" else None
     if found is not None:
-        config, inputs = build_call(q, k, v, mask_mod=found[0], score_mod_args=found[1],
-                                    **common)
+        config, inputs = build_call(q, k, v, mask_mod=found.program,
+                                    score_mod_args=found.args, **common)
         plan = dispatch.plan(config, backend)
         if plan.groups or plan.preferred == "block_sparse" or (plan.preferred and plan.rewritten):
             note = "; ".join(filter(None, (note, _PROGRAM_NOTE, plan.rewritten)))
             mask4 = None   # (every row of a rewritten or grouped plan sees a key)
+            # (a mask true on the diagonal leaves each row its own key; windows and
+            # top-left causal keep it)
+            rows_see_keys = found.diagonal and t <= s and kv_lengths is None
         else:
             plan = None    # (elsewhere the mask runs as it is)
     if plan is None:
         config, inputs = build_call(q, k, v, dense_mask=dense, **common)
         plan = dispatch.plan(config, backend)
     chosen = plan.preferred and dispatch.load_backend(plan.preferred)
-    if getattr(chosen, "averages_unseen_rows", False):
+    if getattr(chosen, "averages_unseen_rows", False) and not rows_see_keys:
         mean = dataclasses.replace(config, unseen_rows="mean")
         if chosen.supports(dispatch.config_for(mean, plan.preferred)) is None:
             plan = dispatch.plan(mean, backend)
     if note:
         plan = dataclasses.replace(plan, rewritten=note)
-    return plan, inputs, mask4
+    return plan, inputs, mask4, rows_see_keys
 
 
 def _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t, s):

@@ -138,11 +138,13 @@ def test_fused_attn_runs_built_in_mask_mods_as_the_built_in_mask(name, mask_mod,
 ])
 def test_fused_attn_runs_prefix_lm_as_a_call_per_run_of_rows(name, mask_mod, options):
     """Prefix-LM's rows are two built-in masks (the prefix unmasked, the rest
-    bottom-right causal): each runs on the vendor kernel a measurement picks, and the
-    rows put together match the float64 oracle."""
+    bottom-right causal): in a training step each runs on the vendor kernel a
+    measurement picks, and the rows put together match the float64 oracle; a call
+    without a gradient runs the block-sparse kernels over the whole map."""
     plan = _check_mask_mod(name, mask_mod, options)
     assert plan.strategy == "row_groups", str(plan)
     assert plan._runs() and set(plan._runs()) <= {"cudnn", "flash"}, str(plan)
+    assert plan.inference is not None and plan.inference.chosen == "block_sparse", str(plan)
 
 
 def _check_mask_mod(name, mask_mod, options):
@@ -164,10 +166,13 @@ def _check_mask_mod(name, mask_mod, options):
         lambda *a: fusedattn.fused_attn(*a, **built.options()), q, k, v))(
             built.q, built.k, built.v)
     dq, dk, dv = vjp(built.d_out)
+    # (a call without a gradient may run another route: `Plan.inference`)
+    alone = jax.jit(lambda q, k, v: fusedattn.fused_attn(q, k, v, **built.options()))(
+        built.q, built.k, built.v)
     ref = ac.oracle_for(built)
     tol = ac.TOLERANCE["bfloat16"]
     for what, got, want in (("out", out, ref.out), ("dq", dq, ref.dq), ("dk", dk, ref.dk),
-                            ("dv", dv, ref.dv)):
+                            ("dv", dv, ref.dv), ("out without a gradient", alone, ref.out)):
         error = ac.rel_error(np.asarray(jnp.asarray(got, jnp.float32), np.float64), want)
         assert error < tol, (name, what, error)
     return plan

@@ -1,7 +1,7 @@
 """Drop-in masks built in the jitted step from per-row and per-column arrays run as
 mask_mods over those arrays (`tracing.mask_program`) on the block-sparse kernels of a
 Hopper GPU: Flax's padding mask ANDed with its causal mask, and its document mask from
-ids in any order with a padding id. The output and every gradient against the float64
+ids in any order, with a padding id and without (every row then sees a key). The output and every gradient against the float64
 oracle with jax.nn's rule (a row that sees no key averages all values), at lengths of
 whole blocks (the kernel writes that mean) and not (the drop-in does).
 """
@@ -20,9 +20,9 @@ from support import oracle
 pytestmark = pytest.mark.gpu
 
 
-def _arrays(b, s, documents):
+def _arrays(b, s, kind):
     rng = np.random.default_rng(s)
-    if documents:   # ids in any order, 0 a padding id
+    if kind != "padding_causal":   # ids in any order (0 a padding id for "documents")
         ids = rng.integers(0, 4, (b, 8))
         ids[:, 2] = 0
         a = np.repeat(ids, -(-s // 8), axis=1)[:, :s]
@@ -33,24 +33,26 @@ def _arrays(b, s, documents):
     return jnp.asarray(a.astype(np.int32))
 
 
-def _mask(a, documents):
-    if documents:
+def _mask(a, kind):
+    if kind == "packed":   # every row sees its own key: no mean of the values
+        return nn.make_attention_mask(a, a, jnp.equal)
+    if kind == "documents":
         return nn.combine_masks(nn.make_attention_mask(a, a, jnp.equal),
                                 nn.make_attention_mask(a != 0, a != 0))
     return nn.combine_masks(nn.make_attention_mask(a > 0, a > 0), nn.make_causal_mask(a))
 
 
-@pytest.mark.parametrize("documents", [False, True], ids=["padding_causal", "documents"])
+@pytest.mark.parametrize("kind", ["padding_causal", "documents", "packed"])
 @pytest.mark.parametrize("b,s,h,d", [(2, 512, 4, 128), (1, 1000, 2, 64)])
-def test_flax_masks_run_as_mask_mods(documents, b, s, h, d):
+def test_flax_masks_run_as_mask_mods(kind, b, s, h, d):
     ks = jax.random.split(jax.random.key(1), 4)
     q, k, v, do = (jax.random.normal(key, (b, s, h, d), jnp.bfloat16) for key in ks)
-    a = _arrays(b, s, documents)
+    a = _arrays(b, s, kind)
     plans = []
 
     def step(q, k, v, do, a):
         def f(q, k, v):
-            mask = _mask(a, documents)
+            mask = _mask(a, kind)
             plans.append(fusedattn.flax.explain(q, k, v, mask=mask))
             return fusedattn.flax.attention_fn(q, k, v, mask=mask)
         out, vjp = jax.vjp(f, q, k, v)
@@ -59,12 +61,12 @@ def test_flax_masks_run_as_mask_mods(documents, b, s, h, d):
     plan = plans[0]
     assert plan.chosen == "block_sparse" and not plan.config.has_dense_mask, str(plan)
     assert "mask_program" in plan.rewritten, str(plan)
-    vis = np.asarray(_mask(a, documents)).astype(bool)
+    vis = np.asarray(_mask(a, kind)).astype(bool)
     f64 = lambda x: np.asarray(x, np.float64)   # noqa: E731
     ref = oracle.attention(f64(q), f64(k), f64(v), bias=np.where(vis, 0.0, -np.inf),
                            d_out=f64(do))
     empty = ~np.isfinite(ref.lse).transpose(0, 2, 1)[..., None]     # [B, T, H, 1]
-    assert empty.any()   # (padded rows see nothing: jax.nn's rule is exercised)
+    assert empty.any() == (kind != "packed")   # (padded rows see nothing: jax.nn's rule)
     out = np.where(empty, f64(v).mean(1)[:, None], ref.out)
     dv = ref.dv + (f64(do) * empty).sum(1)[:, None] / s
     tol = ac.TOLERANCE["bfloat16"]

@@ -51,14 +51,26 @@ def program(seed, B, N, T, S):
 
     cmps = [("==", jnp.equal), ("<=", jnp.less_equal), (">", jnp.greater), ("!=", jnp.not_equal)]
 
+    def mirrored(depth):   # fn(g, n): one expression of g and positions, for either side
+        if depth == 0 or rng.random() < 0.3:
+            return [("g", lambda g, n: jnp.broadcast_to(g[:, None], (B, n))),
+                    ("pos", lambda g, n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32),
+                                                          (B, n)))][int(rng.integers(2))]
+        (u, f), (a, fa) = unary[int(rng.integers(len(unary) - 1))], mirrored(depth - 1)
+        return f"{u}({a})", lambda g, n: f(fa(g, n))
+
     def pair():   # a [B, T, S] boolean term
         kind = rng.random()
-        if kind < 0.45:   # a row value against a column value
+        if kind < 0.3:    # the same expression of both sides (true or not on the diagonal)
+            (a, fa), (cn, cf) = mirrored(2), cmps[int(rng.integers(len(cmps)))]
+            return f"{a}[q] {cn} {a}[kv]", lambda r, c, g: cf(fa(g, T)[:, :, None],
+                                                             fa(g, S)[:, None, :])
+        if kind < 0.55:   # a row value against a column value
             (a, fa), (b, fb) = side(T, lambda r, c: r, "r"), side(S, lambda r, c: c, "c")
             cn, cf = cmps[int(rng.integers(len(cmps)))]
             return f"{a}[q] {cn} {b}[kv]", lambda r, c, g: cf(fa(r, c, g)[:, :, None],
                                                              fb(r, c, g)[:, None, :])
-        if kind < 0.7:    # a flag of one side
+        if kind < 0.75:   # a flag of one side
             if rng.random() < 0.5:
                 (a, fa), t = side(T, lambda r, c: r, "r"), k()
                 return f"{a}[q] > {t}", lambda r, c, g: jnp.broadcast_to(

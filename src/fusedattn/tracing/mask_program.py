@@ -21,7 +21,7 @@ passed in, a constant ``T x S`` table) gives None, and the drop-in keeps the mas
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -86,9 +86,17 @@ class MaskProgram:
         return jnp.asarray(values[-1])
 
 
-def as_mask_mod(mask) -> Optional[Tuple[MaskProgram, tuple]]:
-    """(a `MaskProgram`, the arrays it reads) equal to the boolean jit tracer `mask`
-    ``[B|1, N|1, T, S]`` on every element, or None when the mask is not such a function
+class Rewritten(NamedTuple):
+    program: MaskProgram
+    args: tuple            # the arrays it reads, the mask_mod's score_mod_args
+    # Whether the mask holds at every (i, i) whatever the arrays hold (``ids[q] ==
+    # ids[kv]``, causal): then a row that has key i sees a key.
+    diagonal: bool
+
+
+def as_mask_mod(mask) -> Optional[Rewritten]:
+    """The `MaskProgram` equal to the boolean jit tracer `mask` ``[B|1, N|1, T, S]`` on
+    every element, with the arrays it reads; None when the mask is not such a function
     of arrays read per row or per column and of positions."""
     if not isinstance(mask, jax.core.Tracer) or mask.dtype != np.bool_ or mask.ndim != 4:
         return None
@@ -102,16 +110,17 @@ def as_mask_mod(mask) -> Optional[Tuple[MaskProgram, tuple]]:
                                            for v in leaves))
         eqns, consts, env = flatten(closed)
         inputs = {env[v]: walk.leaves[leaf] for v, leaf in zip(closed.jaxpr.invars, leaves)}
-        builder = _Builder(eqns, consts, inputs)
         out = env[closed.jaxpr.outvars[0]]
-        result = builder.value(out, tuple(builder.position(a, n)
-                                          for a, n in enumerate(mask.shape)))
-        code, args = builder.live(result)
+        builder = _Builder(eqns, consts, inputs)
+        code, args = builder.live(builder.value(out, builder.positions(mask.shape)))
+        # (the same program with kv_idx read as q_idx, folded: the mask on the diagonal)
+        on_diagonal = _Builder(eqns, consts, inputs, diagonal=True)
+        diagonal = on_diagonal.is_true(on_diagonal.value(out, on_diagonal.positions(mask.shape)))
     except (NotWalkable, _Refused):
         return None
     except Exception:  # noqa: BLE001 - internals of another JAX version: keep the mask
         return None
-    return MaskProgram(code), args
+    return Rewritten(MaskProgram(code), args, diagonal)
 
 
 def _expand(eqn) -> bool:
@@ -129,10 +138,19 @@ def _rewritable(name, params, out_avals) -> bool:
     return name in _MOVES or (name not in _NOT_ELEMENTWISE and exact(name, out_avals))
 
 
+def _squeezed(array, shape):
+    """A leaf as the mask_mod reads it: without its axes of size 1, and no gradient."""
+    kept = tuple(n for n in shape if n != 1)
+    if jnp.issubdtype(array.dtype, jnp.inexact):
+        array = lax.stop_gradient(array)
+    return array.reshape(kept) if kept != tuple(shape) else array
+
+
 class _Builder:
     """Writes the program of one value at an index, equation by equation backwards."""
 
-    def __init__(self, eqns, consts, inputs: Dict):
+    def __init__(self, eqns, consts, inputs: Dict, diagonal: bool = False):
+        self.diagonal = diagonal
         self.producer = {o: e for e in eqns for o in e.outs}
         self.consts, self.inputs = consts, inputs
         self.code: List[tuple] = []
@@ -184,15 +202,56 @@ class _Builder:
         value = np.asarray(value, dtype)
         return self.emit(("lit", value.dtype.name, value.tobytes()), 0, value.dtype)
 
-    def position(self, axis: int, size: int) -> int:
-        return self.literal(0) if size == 1 else self.emit(("pos", axis), _POSITION_BITS[axis],
-                                                           np.int32)
+    def positions(self, shape) -> Tuple[int, ...]:
+        """The instructions of (b, h, q_idx, kv_idx) (kv_idx as q_idx on the diagonal),
+        0 along axes of size 1."""
+        axes = (0, 1, 2, 2 if self.diagonal else 3)
+        return tuple(self.literal(0) if n == 1 else
+                     self.emit(("pos", a), _POSITION_BITS[a], np.int32)
+                     for a, n in zip(axes, shape))
+
+    def is_true(self, x: int) -> bool:
+        value = self._literal_value(x)
+        return value is not None and value.dtype == np.bool_ and bool(value)
+
+    def _literal_value(self, x: int):
+        ins = self.code[x]
+        return np.frombuffer(ins[2], self.dtypes[x]).reshape(()) if ins[0] == "lit" else None
 
     def op(self, prim, xs, params=(), dtype=np.int32) -> int:
+        folded = self._fold(prim, tuple(xs), params)
+        if folded is not None:
+            return folded
         deps = 0
         for x in xs:
             deps |= self.deps[x]
         return self.emit(("op", prim, params, tuple(xs)), deps, dtype)
+
+    def _fold(self, prim, xs, params) -> Optional[int]:
+        """The instruction `prim` of `xs` is known to equal, or None: literals evaluated
+        (by XLA, as the device would), ``x == x`` of integers, and the identities of
+        boolean logic and selection."""
+        values = [self._literal_value(x) for x in xs]
+        if all(v is not None for v in values):
+            with jax.ensure_compile_time_eval():
+                value = np.asarray(prim.bind(*values, **dict(params)))
+            return self.literal(value, value.dtype)
+        name = prim.name
+        if len(xs) == 2 and xs[0] == xs[1] and not np.issubdtype(self.dtypes[xs[0]],
+                                                                  np.inexact):
+            same = {"eq": True, "le": True, "ge": True, "ne": False, "lt": False, "gt": False}
+            if name in same:
+                return self.literal(same[name], np.bool_)
+            if name in ("and", "or", "max", "min"):
+                return xs[0]
+        if name in ("and", "or") and self.dtypes[xs[0]] == np.bool_:
+            for known, other in ((values[0], xs[1]), (values[1], xs[0])):
+                if known is not None:   # (True & x is x, False | x is x, else the literal)
+                    return other if bool(known) == (name == "and") else self.literal(
+                        bool(known), np.bool_)
+        if name == "select_n" and values[0] is not None:
+            return xs[1 + int(values[0])]
+        return None
 
     def convert(self, x: int, dtype) -> int:
         """`x` as `dtype`; a boolean made a number and back (Flax's float masks) is itself."""
@@ -254,10 +313,8 @@ class _Builder:
         """`array` (a leaf) at `idx`, read through its axes longer than 1."""
         if id(array) not in self.arg_of:
             self.arg_of[id(array)] = len(self.args)
-            kept = tuple(n for n in shape if n != 1)
-            if jnp.issubdtype(array.dtype, jnp.inexact):   # (a mask has no gradient)
-                array = lax.stop_gradient(array)
-            self.args.append(array.reshape(kept) if kept != tuple(shape) else array)
+            # (the diagonal's look at the program runs nothing: it needs no arrays)
+            self.args.append(None if self.diagonal else _squeezed(array, shape))
         at = tuple(x for x, n in zip(idx, shape) if n != 1)
         deps = 0
         for x in at:
