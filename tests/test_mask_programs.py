@@ -102,6 +102,28 @@ def test_the_diagonal_is_known_where_it_holds_for_any_ids(mask, diagonal):
     assert found[0] is not None and found[0].diagonal == diagonal
 
 
+def test_constants_read_alike_are_told_apart():
+    """Two constant arrays (closed over by a jitted helper: constants of its jaxpr) are
+    two arrays, however the host objects holding them come and go; and a float type
+    without a zero keeps its conversions."""
+    c1 = jnp.arange(T, dtype=jnp.int32)
+    c2 = c1 + 3
+
+    @jax.jit
+    def offsets(r):
+        return (r[:, None, :, None] + c1[None, None, :, None]) == \
+            (r[:, None, None, :T] + c2[None, None, None, :])
+
+    def no_zero(r):   # (float8_e8m0fnu has no 0: False becomes 2^-127, then True)
+        return (r[:, None, :, None] == r[:, None, None, :T]).astype(
+            jnp.float8_e8m0fnu).astype(bool)
+    r = jnp.zeros((B, T), jnp.int32)
+    for fn in (offsets, no_zero):
+        ((found, whole, some, diagonal),) = _checked([(fn, (r,))])
+        assert found is not None and whole and some and diagonal, fn.__name__
+        assert not found.diagonal, fn.__name__
+
+
 @pytest.mark.parametrize("name", ["the mask itself", "float product", "random draw",
                                   "constant table"])
 def test_masks_read_by_both_positions_are_not_rewritten(name):

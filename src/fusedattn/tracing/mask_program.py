@@ -74,7 +74,7 @@ class MaskProgram:
             elif kind == "lit":
                 v = np.frombuffer(ins[2], jnp.dtype(ins[1])).reshape(())
             elif kind == "read":
-                v = args[ins[1]]
+                v = jnp.asarray(args[ins[1]])   # (a NumPy array cannot take traced indices)
                 if ins[2]:
                     v = v[tuple(values[x] for x in ins[2])]
             elif kind == "convert":
@@ -138,6 +138,15 @@ def _rewritable(name, params, out_avals) -> bool:
     return name in _MOVES or (name not in _NOT_ELEMENTWISE and exact(name, out_avals))
 
 
+def _keeps_bools(dtype) -> bool:
+    """Whether False and True made `dtype` are 0 and 1 (not so in a type without 0)."""
+    try:
+        ones = np.array([False, True]).astype(dtype)
+        return ones.astype(np.float64).tolist() == [0.0, 1.0]
+    except (TypeError, ValueError):
+        return False
+
+
 def _squeezed(array, shape):
     """A leaf as the mask_mod reads it: without its axes of size 1, and no gradient."""
     kept = tuple(n for n in shape if n != 1)
@@ -158,7 +167,7 @@ class _Builder:
         self.dtypes: List[np.dtype] = []
         self.number: Dict[tuple, int] = {}
         self.args: List = []
-        self.arg_of: Dict[int, int] = {}   # id(leaf) -> arg number
+        self.arg_of: Dict[object, int] = {}   # the leaf's variable -> arg number
         self.memo: Dict[tuple, int] = {}   # (variable, index) -> instruction
 
     def live(self, result: int):
@@ -263,9 +272,11 @@ class _Builder:
         return self.emit(("convert", dtype.name, x), self.deps[x], dtype)
 
     def _bool_as_number(self, x: int) -> Optional[int]:
-        """The boolean instruction that `x` converts to a number, or None."""
+        """The boolean instruction that `x` converts to a number (one with an exact 0 and
+        1), or None."""
         ins = self.code[x]
-        return ins[2] if ins[0] == "convert" and self.dtypes[ins[2]] == np.bool_ else None
+        return ins[2] if ins[0] == "convert" and self.dtypes[ins[2]] == np.bool_ and \
+            _keeps_bools(self.dtypes[x]) else None
 
     def _is_zero(self, x: int) -> bool:
         ins = self.code[x]
@@ -273,17 +284,17 @@ class _Builder:
 
     def value(self, var, idx: Tuple[int, ...]) -> int:
         """The instruction computing `var` at index `idx` (instructions, one per axis)."""
-        if isinstance(var, Literal):
-            return self._constant(np.asarray(var.val, var.aval.dtype), idx)
+        if isinstance(var, Literal):   # (unhashable; alive in the equations it is read by)
+            return self._constant(("literal", id(var)), np.asarray(var.val, var.aval.dtype), idx)
         if (var, idx) not in self.memo:
             self.memo[var, idx] = self._value(var, idx)
         return self.memo[var, idx]
 
     def _value(self, var, idx):
         if var in self.inputs:
-            return self._read(self.inputs[var], var.aval.shape, idx)
+            return self._read(var, self.inputs[var], var.aval.shape, idx)
         if var in self.consts:
-            return self._constant(self.consts[var], idx)
+            return self._constant(var, self.consts[var], idx)
         eqn = self.producer[var]
         name = eqn.prim.name
         rule = getattr(self, "_" + name, None) if name in _MOVES else None
@@ -301,27 +312,29 @@ class _Builder:
             raise _Refused from None
         return self.op(eqn.prim, ins, params, eqn.outs[0].aval.dtype)
 
-    def _constant(self, value, idx) -> int:
+    def _constant(self, key, value, idx) -> int:
         if isinstance(value, jax.core.Tracer):
             raise _Refused
         value = np.asarray(value)
         if value.size == 1:
             return self.literal(value.reshape(()), value.dtype)
-        return self._read(value, value.shape, idx)
+        return self._read(key, value, value.shape, idx)
 
-    def _read(self, array, shape, idx) -> int:
-        """`array` (a leaf) at `idx`, read through its axes longer than 1."""
-        if id(array) not in self.arg_of:
-            self.arg_of[id(array)] = len(self.args)
-            # (the diagonal's look at the program runs nothing: it needs no arrays)
-            self.args.append(None if self.diagonal else _squeezed(array, shape))
+    def _read(self, key, array, shape, idx) -> int:
+        """`array` (the leaf `key` names: its variable) at `idx`, read through its axes
+        longer than 1. Arrays are numbered by their variable, never by the array
+        object: a constant's array may be a new object at each read."""
+        if key not in self.arg_of:
+            self.arg_of[key] = len(self.args)
+            # (the diagonal's look at the program runs nothing: it reads no array)
+            self.args.append(array if self.diagonal else _squeezed(array, shape))
         at = tuple(x for x, n in zip(idx, shape) if n != 1)
         deps = 0
         for x in at:
             deps |= self.deps[x]
         if deps & _BOTH == _BOTH:
             raise _Refused   # (one array read by both positions: a T x S array)
-        return self.emit(("read", self.arg_of[id(array)], at), deps, array.dtype)
+        return self.emit(("read", self.arg_of[key], at), deps, array.dtype)
 
     # -- the moves: each maps the output index to the operand's ------------------------
 
