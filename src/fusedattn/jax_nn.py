@@ -42,10 +42,10 @@ import numpy as np
 from . import dispatch
 from .block_sparse.recognise import MAX_ELEMENTS as MAX_PAIRS, dense_form, form_text
 from .config import DTYPES
-from .tracing.folding import host_value
-from .tracing.mask_program import as_mask_mod
 from .inputs import value_mean
 from .sequence import SequenceDescriptor
+from .tracing.folding import host_value
+from .tracing.mask_program import as_mask_mod
 from .validation import build_call
 
 logger = logging.getLogger("fusedattn")
@@ -303,7 +303,9 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
         plan = dispatch.plan(config, backend)
         if plan.groups or plan.preferred == "block_sparse" or (plan.preferred and plan.rewritten):
             note = "; ".join(filter(None, (note, _PROGRAM_NOTE, plan.rewritten)))
-            mask4 = None   # (every row of a rewritten or grouped plan sees a key)
+            # (block_sparse marks the rows that see no key by its lse; every row of a
+            # rewritten or grouped plan sees one)
+            mask4 = None
             # (a mask true on the diagonal leaves each row its own key; windows and
             # top-left causal keep it)
             rows_see_keys = found.diagonal and t <= s and kv_lengths is None

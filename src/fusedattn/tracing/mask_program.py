@@ -17,6 +17,10 @@ boolean logic, selects, integer arithmetic), so the mask_mod computes the mask's
 bits. Anything else (a float sum, a reduction, a gather) is a leaf: its result is read
 like an input. A mask that would read one array by both positions (the mask itself
 passed in, a constant ``T x S`` table) gives None, and the drop-in keeps the mask.
+
+The program built again with kv_idx read as q_idx, and folded, says whether the mask
+holds on the diagonal whatever the arrays hold (``ids[q] == ids[kv]``): then every row
+sees its own key, and the drop-in skips jax.nn's rule for rows that see none.
 """
 from __future__ import annotations
 
