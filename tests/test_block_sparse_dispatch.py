@@ -23,7 +23,7 @@ from fusedattn.inputs import mask_as_bias
 from fusedattn.validation import build_call
 from support import oracle
 from support import block_sparse_cases as bs_cases
-from support.block_sparse_cases import doc_ids, rel_error
+from support.block_sparse_cases import doc_ids, jax_nn_oracle, rel_error
 
 B, S, H, H_KV, D = 2, 256, 4, 2, 64
 TOL_OUT, TOL_GRAD = 2e-2, 4e-2  # bf16 against float64 (test_block_sparse_attention's)
@@ -58,22 +58,6 @@ def _run(call, q, k, v, do, *extra, jit=False):
     return (out, *vjp(do))
 
 
-def _expected(q, k, v, do, visible, causal=False):
-    """float64 oracle of jax.nn's semantics: `visible` [B|1, H|1, T, S] hides pairs; a
-    row that sees no key averages all values (that mean's gradient goes to v)."""
-    ref = oracle.attention(np.asarray(q, np.float64), np.asarray(k, np.float64),
-                           np.asarray(v, np.float64), bias=np.where(visible, 0.0, -np.inf),
-                           mask="causal" if causal else "none",
-                           d_out=np.asarray(do, np.float64))
-    empty = ~np.isfinite(ref.lse).transpose(0, 2, 1)            # [B, T, H]
-    group = q.shape[2] // k.shape[2]
-    mean = np.repeat(np.asarray(v, np.float64).mean(1), group, axis=1)  # [B, H, D]
-    out = np.where(empty[..., None], mean[:, None], ref.out)
-    to_mean = (np.asarray(do, np.float64) * empty[..., None]).sum(1)     # [B, H, D]
-    dv = ref.dv + to_mean.reshape(B, -1, group, D).sum(2)[:, None] / k.shape[1]
-    return out, ref.dq, ref.dk, dv, np.asarray(ref.lse)
-
-
 def _check(got, want):
     for name, g, w, tol in zip(("out", "dq", "dk", "dv"), got, want,
                                (TOL_OUT, TOL_GRAD, TOL_GRAD, TOL_GRAD)):
@@ -105,7 +89,7 @@ def test_documents_from_ids_through_fused_attn(hopper, jit):
         q, k, v, mask_mod=same_doc, score_mod_args=(doc,))
     got = _run(call, q, k, v, do, doc, jit=jit)
     visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
-    _check(got, _expected(q, k, v, do, visible)[:4])
+    _check(got, jax_nn_oracle(q, k, v, do, visible)[:4])
 
 
 def test_documents_and_causal_through_fused_attn_with_mqa(hopper):
@@ -117,7 +101,7 @@ def test_documents_and_causal_through_fused_attn_with_mqa(hopper):
            hopper)
     got = _run(call, q, k, v, do, doc, jit=True)
     visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
-    _check(got, _expected(q, k, v, do, visible, causal=True)[:4])
+    _check(got, jax_nn_oracle(q, k, v, do, visible, causal=True)[:4])
 
 
 # ---- score_mods reading arrays (the documents mask above) ----------------------------------------------------------
@@ -206,7 +190,7 @@ def test_arrays_closed_over_are_read_like_args(hopper):
     got = _run(lambda q, k, v: fusedattn.fused_attn(q, k, v, mask_mod=closure), q, k, v, do,
                jit=True)
     visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
-    _check(got, _expected(q, k, v, do, visible)[:4])
+    _check(got, jax_nn_oracle(q, k, v, do, visible)[:4])
     width = jnp.asarray([32, 64, 96, 128], jnp.int32)
     per_head = lambda b, h, i, j: (j <= i) & (i - j < width[h])  # noqa: E731
     plan = fusedattn.explain(q, k, v, mask_mod=per_head)
@@ -234,7 +218,7 @@ def test_document_mask_through_dot_product_attention(hopper, jit):
         assert "block_sparse: its Mosaic GPU kernels need a Hopper GPU" in text
     call = lambda q, k, v, m: fusedattn.dot_product_attention(q, k, v, mask=m)  # noqa: E731
     got = _run(call, q, k, v, do, mask, jit=jit)
-    _check(got, _expected(q, k, v, do, np.asarray(mask))[:4])
+    _check(got, jax_nn_oracle(q, k, v, do, np.asarray(mask))[:4])
 
 
 def test_fully_masked_row_and_causal_through_dot_product_attention(hopper):
@@ -252,7 +236,7 @@ def test_fully_masked_row_and_causal_through_dot_product_attention(hopper):
     call = lambda q, k, v, m: fusedattn.dot_product_attention(  # noqa: E731
         q, k, v, mask=m, is_causal=True)
     got = _run(call, q, k, v, do, jnp.asarray(mask), jit=True)
-    want = _expected(q, k, v, do, mask, causal=True)
+    want = jax_nn_oracle(q, k, v, do, mask, causal=True)
     _check(got, want[:4])
     out, lse = fusedattn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
                                                return_residual=True)
@@ -377,7 +361,7 @@ def test_float_document_mask_through_flax_attention_fn(hopper, jit):
     assert ("a block map on block_sparse" if hopper else "an additive bias on xla") in text
     call = lambda q, k, v, m: fa.attention_fn(q, k, v, mask=m)  # noqa: E731
     got = _run(call, q, k, v, do, mask, jit=jit)
-    _check(got, _expected(q, k, v, do, np.asarray(mask) != 0)[:4])
+    _check(got, jax_nn_oracle(q, k, v, do, np.asarray(mask) != 0)[:4])
 
 
 def test_causal_mask_through_flax_attention_fn(hopper):
@@ -388,7 +372,7 @@ def test_causal_mask_through_flax_attention_fn(hopper):
     _route(fa.explain(q, k, v, mask=mask), hopper)
     got = _run(lambda q, k, v, m: fa.attention_fn(q, k, v, mask=m), q, k, v, do, mask,
                jit=True)
-    _check(got, _expected(q, k, v, do, np.asarray(mask) != 0)[:4])
+    _check(got, jax_nn_oracle(q, k, v, do, np.asarray(mask) != 0)[:4])
 
 
 def test_both_routes_agree(monkeypatch):

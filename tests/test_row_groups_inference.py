@@ -27,17 +27,6 @@ TOL_OUT, TOL_GRAD = 2e-2, 4e-2  # bf16 against float64 (test_block_sparse_dispat
 PREFIX_LM = {p: (lambda b, h, i, j, p=p: (j <= i) | (j < p)) for p in (64, 128)}
 
 
-@pytest.fixture
-def cuda(monkeypatch):
-    """A CUDA platform, the kernels as the reference list walks; the Hopper check is the
-    test's to set (`_hopper`)."""
-    monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
-    monkeypatch.setattr(backend, "IMPLEMENTATION", "reference")
-    yield lambda on: (monkeypatch.setattr(backend, "on_hopper", lambda: on),
-                      dispatch.clear_cache())
-    dispatch.clear_cache()
-
-
 def _qkvo():
     keys = jax.random.split(jax.random.key(5), 4)
     return [jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in keys]
@@ -82,8 +71,7 @@ def _groups_call(mask_mod):
 
 
 @pytest.mark.parametrize("p", sorted(PREFIX_LM))
-def test_forward_only_runs_block_sparse_and_training_runs_the_groups(cuda, p):
-    cuda(True)
+def test_forward_only_runs_block_sparse_and_training_runs_the_groups(hopper_reference, p):
     mask_mod = PREFIX_LM[p]
     q, k, v, do = _qkvo()
     plan = fusedattn.explain(q, k, v, mask_mod=mask_mod)
@@ -112,8 +100,9 @@ def test_forward_only_runs_block_sparse_and_training_runs_the_groups(cuda, p):
         _near_oracle(got, expected)
 
 
-def test_without_hopper_the_plan_is_the_row_groups_alone(cuda):
-    cuda(False)
+def test_without_hopper_the_plan_is_the_row_groups_alone(hopper_reference, monkeypatch):
+    monkeypatch.setattr(backend, "on_hopper", lambda: False)
+    dispatch.clear_cache()
     mask_mod = PREFIX_LM[128]
     q, k, v, do = _qkvo()
     plan = fusedattn.explain(q, k, v, mask_mod=mask_mod)
@@ -126,18 +115,16 @@ def test_without_hopper_the_plan_is_the_row_groups_alone(cuda):
     _near_oracle(trained, _oracle(q, k, v, do, 128))
 
 
-def test_a_named_backend_runs_the_call_as_written(cuda):
-    cuda(True)
+def test_a_named_backend_runs_the_call_as_written(hopper_reference):
     q, k, v, _ = _qkvo()
     for name in ("block_sparse", "xla"):
         plan = fusedattn.explain(q, k, v, mask_mod=PREFIX_LM[64], backend=name)
         assert plan.chosen == name and not plan.groups and plan.inference is None
 
 
-def test_unread_float_score_mod_args_get_no_gradient(cuda):
+def test_unread_float_score_mod_args_get_no_gradient(hopper_reference):
     """A mask_mod taking an array it never reads still splits by rows; differentiating
     through that array gives 0, as the groups (which never see it) did."""
-    cuda(True)
     q, k, v, do = _qkvo()
     mod = lambda b, h, i, j, unused: (j <= i) | (j < 64)  # noqa: E731
     extra = jnp.ones((3,), jnp.float32)

@@ -7,6 +7,7 @@ import numpy as np
 
 from fusedattn import block_sparse as bs
 from fusedattn import score_mods
+from support import oracle as f64_oracle   # (this module's `oracle` is the block walk's)
 
 
 def doc_ids(b, s, lengths):
@@ -115,6 +116,23 @@ def oracle(q, k, v, visible, scale, score_mod=None, d_out=None, args=(), unseen_
             grads = [np.asarray(next(got)) for _ in range(3)]
             grads += [np.asarray(next(got)) if i in floats else None for i in range(len(args))]
         return np.asarray(out), np.asarray(lse), grads
+
+
+def jax_nn_oracle(q, k, v, do, visible, causal=False):
+    """(out, dq, dk, dv, lse) in float64 with jax.nn's semantics: `visible` [B|1, H|1,
+    T, S] hides pairs; a row that sees no key averages all values (that mean's gradient
+    goes to v, summed over the heads of a group)."""
+    ref = f64_oracle.attention(np.asarray(q, np.float64), np.asarray(k, np.float64),
+                               np.asarray(v, np.float64), bias=np.where(visible, 0.0, -np.inf),
+                               mask="causal" if causal else "none",
+                               d_out=np.asarray(do, np.float64))
+    empty = ~np.isfinite(ref.lse).transpose(0, 2, 1)            # [B, T, H]
+    b, d, group = k.shape[0], k.shape[3], q.shape[2] // k.shape[2]
+    mean = np.repeat(np.asarray(v, np.float64).mean(1), group, axis=1)  # [B, H, D]
+    out = np.where(empty[..., None], mean[:, None], ref.out)
+    to_mean = (np.asarray(do, np.float64) * empty[..., None]).sum(1)     # [B, H, D]
+    dv = ref.dv + to_mean.reshape(b, -1, group, d).sum(2)[:, None] / k.shape[1]
+    return out, ref.dq, ref.dk, dv, np.asarray(ref.lse)
 
 
 def rel_error(x, ref):

@@ -128,18 +128,16 @@ def as_mask_mod(mask) -> Optional[Rewritten]:
 
 
 def _expand(eqn) -> bool:
-    """Walk through `eqn` (else its outputs are leaves, read as arrays)."""
-    return not eqn.effects and _rewritable(eqn.primitive.name, eqn.params,
-                                           [v.aval for v in eqn.outvars])
-
-
-def _rewritable(name, params, out_avals) -> bool:
+    """Walk through `eqn` (else its outputs are leaves, read as arrays): a move, an
+    exact elementwise primitive, or a call whose body is all of those."""
+    name = eqn.primitive.name
+    if eqn.effects:
+        return False
     if name in CALLS:
-        body = call_body(params)
-        return body is not None and all(
-            not e.effects and _rewritable(e.primitive.name, e.params, [v.aval for v in e.outvars])
-            for e in body.eqns)
-    return name in _MOVES or (name not in _NOT_ELEMENTWISE and exact(name, out_avals))
+        body = call_body(eqn.params)
+        return body is not None and all(_expand(e) for e in body.eqns)
+    return name in _MOVES or (name not in _NOT_ELEMENTWISE and
+                              exact(name, [v.aval for v in eqn.outvars]))
 
 
 def _keeps_bools(dtype) -> bool:
