@@ -16,13 +16,15 @@ row or per key column and from positions runs as a mask_mod over those arrays
   run as mask_mods (explain() says so, the documents map counts ids per block) with
   outputs and gradients equal to the same mask passed as data and to the float64
   oracle; a prefix-LM mask built in the step runs as row groups; a named backend, or
-  no Hopper, keeps the mask.
+  no Hopper, keeps the mask. A mask closed over by a `lax.scan` body runs as a mask_mod
+  there too.
 """
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 import fusedattn
 from fusedattn import dispatch
@@ -277,3 +279,29 @@ def test_a_prefix_mask_built_in_the_step_runs_as_row_groups(hopper_reference):
         return q
     jax.eval_shape(traced, q)
     assert found[0].groups and "mask_program" in found[0].rewritten, str(found[0])
+
+
+def test_a_mask_closed_over_by_a_scan_body_runs_as_a_mask_mod(hopper_reference):
+    """Layers under `lax.scan` that close over the step's mask: the walk follows it into
+    the step's trace, so the mask runs as a mask_mod there too, with outputs and
+    gradients equal to the same mask passed in as data (which stays a mask)."""
+    q, k, v, do = _qkvo()
+    tok = _tokens()
+    plans = []
+
+    def step(q, k, v, tok, data):
+        mask = nn.combine_masks(nn.make_attention_mask(tok > 0, tok > 0),
+                                nn.make_causal_mask(tok)) if data is None else data
+
+        def layer(c, _):
+            plans.append(fusedattn.flax.explain(c, k, v, mask=mask))
+            return fusedattn.flax.attention_fn(c, k, v, mask=mask), None
+        out, vjp = jax.vjp(lambda q, k, v: lax.scan(layer, q, None, length=1)[0], q, k, v)
+        return (out, *vjp(do))
+    got = jax.jit(step)(q, k, v, tok, None)
+    assert "mask_program" in plans[-1].rewritten, str(plans[-1])
+    want = jax.jit(step)(q, k, v, tok, _as_data(tok, flax_padding_causal))
+    assert plans[-1].config.has_dense_mask, str(plans[-1])
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                   atol=1e-6, err_msg=name)

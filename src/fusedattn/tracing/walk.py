@@ -4,8 +4,12 @@ Each tracer of a jit trace links to the equation that produced it (``.parent``, 
 internal, with the equation's input tracers); a trace's constants sit in its frame.
 `Walk` follows those links from one tracer, through the equations its caller
 chooses to expand, and keeps what it stops at as leaves: inputs of the traced
-function, trace constants, outputs of equations it does not expand. `rebuild` binds
-the walked equations again on values given for the leaves.
+function, trace constants, outputs of equations it does not expand. A constant that is
+an enclosing jit trace's tracer (an array a `lax.scan` body, a `jax.checkpoint`ed or
+jitted function closes over) is followed into that trace, so a mask made outside the
+inner function is seen whole. An input of the inner function has no such link: it
+stays a leaf. `rebuild` binds the walked equations again on values given for the
+leaves.
 """
 from __future__ import annotations
 
@@ -26,42 +30,47 @@ class Walk:
     of the leaves that are trace constants)."""
 
     def __init__(self, x, expand: Callable[[object], bool], max_equations: int):
-        trace = getattr(x, "_trace", None)
-        consts = getattr(getattr(trace, "frame", None), "constvar_to_val", None)
-        if consts is None or not hasattr(x, "parent"):
+        if _constants(x) is None or not hasattr(x, "parent"):
             raise NotWalkable("not a tracer of a jit trace")
-        self.trace, self.x = trace, x
-        self.order: List[object] = []
+        self.x = x
+        self.traces = {id(x._trace)}   # (x's, and the enclosing ones its constants lead to)
+        self.order: List[object] = []  # equations, and (inner variable, outer tracer) links
         self.leaves: Dict[object, object] = {}
         self.consts: Dict[object, object] = {}
         seen, count = set(), 0
         stack = [(x, False)]
         while stack:
             tracer, done = stack.pop()
-            atom = self.atom(tracer)
             if done:
-                self.order.append(tracer.parent)
+                self.order.append(tracer)
                 continue
+            atom = self.atom(tracer)
             if isinstance(atom, Literal) or atom in seen:
                 continue
             seen.add(atom)
+            consts = _constants(tracer)
+            outer = consts.get(atom)
+            if atom in consts and _constants(outer) is not None and hasattr(outer, "parent"):
+                self.traces.add(id(outer._trace))   # (follow the constant into its trace)
+                stack += [((atom, outer), True), (outer, False)]
+                continue
             eqn = tracer.parent
             if atom in consts or eqn is None or not expand(eqn):
                 self.leaves[atom] = tracer
                 if atom in consts:
-                    self.consts[atom] = consts[atom]
+                    self.consts[atom] = outer
                 continue
             count += 1
             if count > max_equations:
                 raise NotWalkable(f"more than {max_equations} equations")
-            stack.append((tracer, True))
+            stack.append((eqn, True))
             stack += [(t, False) for t in eqn.in_tracers]
 
     def atom(self, tracer):
-        """The variable (or literal) of a tracer of this walk's trace."""
+        """The variable (or literal) of a tracer of this walk's traces."""
         if not isinstance(tracer, jax.core.Tracer) or \
-                getattr(tracer, "_trace", None) is not self.trace:
-            raise NotWalkable("a tracer of an enclosing or inner transformation")
+                id(getattr(tracer, "_trace", None)) not in self.traces:
+            raise NotWalkable("a tracer of an inner or unrelated transformation")
         return tracer.val
 
     def rebuild(self, values: Dict):
@@ -70,12 +79,26 @@ class Walk:
         values = dict(values)
         done = set()
         for eqn in self.order:
+            if isinstance(eqn, tuple):   # (a constant of an inner trace: its outer value)
+                inner, outer = eqn
+                values[inner] = _value(outer.val, values)
+                continue
             if id(eqn) in done:
                 continue
             done.add(id(eqn))
-            ins = [t.val.val if isinstance(t.val, Literal) else values[t.val]
-                   for t in eqn.in_tracers]
+            ins = [_value(t.val, values) for t in eqn.in_tracers]
             outs = eqn.primitive.bind(*ins, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]
             values.update(zip(eqn.outvars, outs))
         return values[self.x.val]
+
+
+def _constants(tracer):
+    """``{variable: value}`` of the constants of `tracer`'s jit trace, or None when it is
+    not a tracer of one."""
+    frame = getattr(getattr(tracer, "_trace", None), "frame", None)
+    return getattr(frame, "constvar_to_val", None)
+
+
+def _value(atom, values):
+    return atom.val if isinstance(atom, Literal) else values[atom]
