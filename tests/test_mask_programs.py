@@ -293,15 +293,18 @@ def test_a_mask_closed_over_by_a_scan_body_runs_as_a_mask_mod(hopper_reference):
         mask = nn.combine_masks(nn.make_attention_mask(tok > 0, tok > 0),
                                 nn.make_causal_mask(tok)) if data is None else data
 
-        def layer(c, _):
-            plans.append(fusedattn.flax.explain(c, k, v, mask=mask))
-            return fusedattn.flax.attention_fn(c, k, v, mask=mask), None
-        out, vjp = jax.vjp(lambda q, k, v: lax.scan(layer, q, None, length=1)[0], q, k, v)
+        def layers(q, k, v):
+            def layer(c, _):
+                plans.append(fusedattn.flax.explain(c, k, v, mask=mask))
+                return fusedattn.flax.attention_fn(c, k, v, mask=mask), None
+            return lax.scan(layer, q, None, length=1)[0]
+        out, vjp = jax.vjp(layers, q, k, v)
         return (out, *vjp(do))
     got = jax.jit(step)(q, k, v, tok, None)
     assert "mask_program" in plans[-1].rewritten, str(plans[-1])
     want = jax.jit(step)(q, k, v, tok, _as_data(tok, flax_padding_causal))
     assert plans[-1].config.has_dense_mask, str(plans[-1])
     for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+        assert np.abs(np.asarray(y, np.float32)).max() > 0, name
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                    atol=1e-6, err_msg=name)

@@ -3,7 +3,8 @@ mask_mods over those arrays (`tracing.mask_program`) on the block-sparse kernels
 Hopper GPU: Flax's padding mask ANDed with its causal mask, and its document mask from
 ids in any order, with a padding id and without (every row then sees a key). The output and every gradient against the float64
 oracle with jax.nn's rule (a row that sees no key averages all values), at lengths of
-whole blocks (the kernel writes that mean) and not (the drop-in does).
+whole blocks (the kernel writes that mean) and not (the drop-in does). Also under a
+`lax.scan` of `jax.checkpoint`ed layers that close over the step's mask.
 """
 from __future__ import annotations
 
@@ -64,6 +65,36 @@ def test_flax_masks_run_as_mask_mods(kind, b, s, h, d):
     want = jax_nn_oracle(q, k, v, do, np.asarray(_mask(a, kind)).astype(bool))
     # (padded rows see nothing: jax.nn's rule is exercised)
     assert (~np.isfinite(want[4])).any() == (kind != "packed")
+    tol = ac.TOLERANCE["bfloat16"]
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+        err = ac.rel_error(np.asarray(x, np.float64), y)
+        assert err < tol, (name, err)
+
+
+def test_a_mask_closed_over_by_scanned_checkpointed_layers():
+    """The step builds the mask; a `lax.scan` of one `jax.checkpoint`ed layer closes over
+    it (the walk follows it into the step's trace): still a mask_mod on the kernels."""
+    b, s, h, d = 2, 512, 4, 128
+    ks = jax.random.split(jax.random.key(2), 4)
+    q, k, v, do = (jax.random.normal(key, (b, s, h, d), jnp.bfloat16) for key in ks)
+    a = _arrays(b, s, "documents")
+    plans = []
+
+    def step(q, k, v, do, a):
+        mask = _mask(a, "documents")
+
+        def layers(q, k, v):
+            @jax.checkpoint
+            def layer(c):
+                plans.append(fusedattn.flax.explain(c, k, v, mask=mask))
+                return fusedattn.flax.attention_fn(c, k, v, mask=mask)
+            return jax.lax.scan(lambda c, _: (layer(c), None), q, None, length=1)[0]
+        out, vjp = jax.vjp(layers, q, k, v)
+        return (out,) + vjp(do)
+    got = jax.jit(step)(q, k, v, do, a)
+    assert plans and all("mask_program" in p.rewritten and p.chosen == "block_sparse"
+                         for p in plans), str(plans[0])
+    want = jax_nn_oracle(q, k, v, do, np.asarray(_mask(a, "documents")).astype(bool))
     tol = ac.TOLERANCE["bfloat16"]
     for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
         err = ac.rel_error(np.asarray(x, np.float64), y)
