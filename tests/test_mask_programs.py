@@ -17,7 +17,7 @@ row or per key column and from positions runs as a mask_mod over those arrays
   outputs and gradients equal to the same mask passed as data and to the float64
   oracle; a prefix-LM mask built in the step runs as row groups; a named backend, or
   no Hopper, keeps the mask. A mask closed over by a `lax.scan` body runs as a mask_mod
-  there too.
+  there too; one passed in as an argument gets explain()'s note on where to build it.
 """
 import flax.linen as nn
 import jax
@@ -308,3 +308,29 @@ def test_a_mask_closed_over_by_a_scan_body_runs_as_a_mask_mod(hopper_reference):
         assert np.abs(np.asarray(y, np.float32)).max() > 0, name
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
                                    atol=1e-6, err_msg=name)
+
+
+def test_a_mask_passed_in_says_where_to_build_it(hopper_reference):
+    """A mask that is an input of the traced function (a jit argument, or a
+    jax.checkpoint's) is known only on the device: explain() says how to give its
+    structure; a mask built or closed over in the trace, or a named backend, does not."""
+    q = jnp.zeros((SB, SS, SH, SD), jnp.bfloat16)
+    tok = _tokens()
+    found = []
+
+    def look(q, mask, implementation=None):
+        found.append(fusedattn.jax_nn.explain(q, q, q, mask=mask,
+                                              implementation=implementation).rewritten)
+        return q
+
+    def step(q, data, tok):
+        built = (tok > 0)[:, None, :, None] & (tok > 0)[:, None, None, :]
+        look(q, data)
+        jax.checkpoint(look)(q, built)
+        look(q, built)
+        jax.checkpoint(lambda q: look(q, built))(q)
+        look(q, data, "block_sparse")
+        return q
+    jax.eval_shape(step, q, _as_data(tok, flax_padding_causal), tok)
+    said = ["input of the function being traced" in r for r in found]
+    assert said == [True, True, False, False, False], found

@@ -46,6 +46,7 @@ from .inputs import value_mean
 from .sequence import SequenceDescriptor
 from .tracing.folding import host_value
 from .tracing.mask_program import as_mask_mod
+from .tracing.walk import is_input
 from .validation import build_call
 
 logger = logging.getLogger("fusedattn")
@@ -272,6 +273,11 @@ def _first_and_same(mask):
 _PROGRAM_NOTE = ("the mask is computed elementwise from arrays read per query row or per key "
                  "column and from positions (`tracing.mask_program`): runs as a mask_mod over "
                  "those arrays, no S^2 mask read")
+_INPUT_NOTE = ("the mask is an input of the function being traced (an argument of its jit, "
+               "or of a jax.checkpoint, lax.scan or Flax nn.scan / nn.remat inside it), so "
+               "its structure is known only on the device; built inside that function, "
+               "closed over, or given as mask_mod=, it can run as a built-in mask or a "
+               "mask_mod")
 
 
 def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_lengths=None,
@@ -314,6 +320,8 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
     if plan is None:
         config, inputs = build_call(q, k, v, dense_mask=dense, **common)
         plan = dispatch.plan(config, backend)
+        if backend == "auto" and mask4 is not None and is_input(mask4):
+            note = "; ".join(filter(None, (note, _INPUT_NOTE)))
     chosen = plan.preferred and dispatch.load_backend(plan.preferred)
     if getattr(chosen, "averages_unseen_rows", False) and not rows_see_keys:
         mean = dataclasses.replace(config, unseen_rows="mean")

@@ -93,6 +93,23 @@ class Walk:
         return values[self.x.val]
 
 
+# Operations that only reshape or convert an array: an input behind them is still the input.
+_RESHAPES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims",
+                       "convert_element_type", "copy", "copy_p"})
+
+
+def is_input(x) -> bool:
+    """Whether jit tracer `x` is an input of the function being traced (or of an enclosing
+    one it closes over), up to reshapes and conversions: its value exists only on the
+    device, whatever made it outside."""
+    try:
+        walk = Walk(x, lambda eqn: eqn.primitive.name in _RESHAPES, 16)
+    except NotWalkable:
+        return False
+    return bool(walk.leaves) and all(t.parent is None and v not in walk.consts
+                                     for v, t in walk.leaves.items())
+
+
 def _constants(tracer):
     """``{variable: value}`` of the constants of `tracer`'s jit trace, or None when it is
     not a tracer of one."""
