@@ -7,7 +7,8 @@ it equals.
   compared with the values the compiled program computes; values that depend on an
   input, a random number, an inexact primitive or another transformation's tracer
   give None. A mask closed over by a jit, a `lax.scan` body or a `jax.checkpoint` is
-  followed into the enclosing trace; one passed in as an argument is not.
+  followed into the enclosing trace (so is Flax's `nn.scan` of a broadcast mask); one
+  passed in as an argument is not (Flax's `nn.remat`: explain() says so).
 * `recognise.dense_form` against an exhaustive search of the built-in forms.
 * The drop-ins: Flax's ``make_causal_mask`` and ``jnp.tril`` inside jit are planned
   as ``mask="causal"`` (explain() says so) with outputs and gradients equal to the
@@ -272,3 +273,45 @@ def test_a_numpy_mask_is_recognised_by_explain_and_by_the_call(monkeypatch):
     fusedattn.flax.attention_fn(x, x, x, mask=tri[None, None].astype(np.float32))
     fusedattn.dot_product_attention(x, x, x, mask=tri)
     assert len(notes) == 2 and all("mask='causal'" in n for n in notes)
+
+
+def test_flax_scan_closes_over_its_broadcast_mask_and_remat_takes_it_as_an_argument():
+    """Flax's `nn.scan` closes its scan body over broadcast inputs, so the step's
+    `make_causal_mask` is followed into the step and runs as mask="causal"; `nn.remat`
+    passes its inputs as arguments, so there the mask stays a mask and explain() says so."""
+    b, s, e = 2, 32, 16
+    plans = []
+
+    def attention(query, key, value, mask=None):
+        if type(query).__name__ == "DynamicJaxprTracer":   # (not Flax's probing trace)
+            plans.append(fusedattn.flax.explain(query, key, value, mask=mask))
+        return fusedattn.flax.attention_fn(query, key, value, mask=mask)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, mask):
+            return x + nn.MultiHeadDotProductAttention(num_heads=2,
+                                                       attention_fn=attention)(x, mask=mask), None
+
+    class Model(nn.Module):
+        scan: bool
+
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+            if self.scan:
+                return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                               in_axes=nn.broadcast, length=2)()(x, mask)[0]
+            return nn.remat(Block)()(x, mask)[0]
+    x = jnp.ones((b, s, e))
+    for scan in (True, False):
+        params = jax.eval_shape(Model(scan).init, jax.random.key(0), x)
+        plans.clear()
+        jax.eval_shape(Model(scan).apply, params, x)
+        assert plans, scan
+        if scan:
+            assert all(p.config.mask == "causal" and not p.config.has_dense_mask
+                       for p in plans), plans[0]
+        else:
+            assert all(p.config.has_dense_mask and "input of the function being traced"
+                       in p.rewritten for p in plans), plans[0]

@@ -274,7 +274,7 @@ _PROGRAM_NOTE = ("the mask is computed elementwise from arrays read per query ro
                  "column and from positions (`tracing.mask_program`): runs as a mask_mod over "
                  "those arrays, no S^2 mask read")
 _INPUT_NOTE = ("the mask is an input of the function being traced (an argument of its jit, "
-               "or of a jax.checkpoint, lax.scan or Flax nn.scan / nn.remat inside it), so "
+               "or of a jax.checkpoint, lax.scan or Flax nn.remat inside it), so "
                "its structure is known only on the device; built inside that function, "
                "closed over, or given as mask_mod=, it can run as a built-in mask or a "
                "mask_mod")
