@@ -137,7 +137,7 @@ def test_kernel_tiles_of_diagonal_values_match_the_runs():
         for shape, q_axis in (((64, 128), 0), ((64, 64), 0), ((64, 64), 1)):
             rows, cols = (shape[q_axis], shape[1 - q_axis])
 
-            # (one compilation per tile shape: the tile's corner is traced, as in the kernels)
+            # (one compilation per head and tile shape: the corner traced, as in the kernels)
             @jax.jit
             def both(q0, k0, shape=shape, q_axis=q_axis, h=h, diag=diag):
                 got = diag.tiles(diag.span(q0, k0, shape, q_axis))[0]

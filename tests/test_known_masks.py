@@ -100,6 +100,8 @@ def test_host_value_follows_a_closed_over_mask_into_the_enclosing_trace(how):
 
     def look(m, y):
         seen.append(host_value(~m))
+        whole = host_value(m)   # (the closed-over constant itself)
+        assert (whole is None) == (seen[-1] is None)
         return y
 
     @jax.jit

@@ -330,7 +330,8 @@ def test_a_mask_passed_in_says_where_to_build_it(hopper_reference):
         look(q, built)
         jax.checkpoint(lambda q: look(q, built))(q)
         look(q, data, "block_sparse")
+        look(q, data & (tok > 0)[:, None, :, None])   # (made in the trace, if from an input)
         return q
     jax.eval_shape(step, q, _as_data(tok, flax_padding_causal), tok)
     said = ["input of the function being traced" in r for r in found]
-    assert said == [True, True, False, False, False], found
+    assert said == [True, True, False, False, False, False], found

@@ -33,7 +33,7 @@ def _lists(block: int):
     """Query-major lists of the documents' key blocks at `block`: indices [B, H, n, cap]
     (unused slots repeat the last index) and counts [B, H, n]."""
     n = S // block
-    starts, rows, cap = [], [], 0
+    rows, cap = [], 0
     start = 0
     for length in DOCS:
         blocks = list(range(start // block, (start + length) // block))

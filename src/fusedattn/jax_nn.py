@@ -275,7 +275,7 @@ _PROGRAM_NOTE = ("the mask is computed elementwise from arrays read per query ro
                  "those arrays, no S^2 mask read")
 _INPUT_NOTE = ("the mask is an input of the function being traced (an argument of its jit, "
                "or of a jax.checkpoint, lax.scan or Flax nn.remat inside it), so "
-               "its structure is known only on the device; built inside that function, "
+               "its structure is not visible in this trace; built inside that function, "
                "closed over, or given as mask_mod=, it can run as a built-in mask or a "
                "mask_mod")
 

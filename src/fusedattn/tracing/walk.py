@@ -93,17 +93,17 @@ class Walk:
         return values[self.x.val]
 
 
-# Operations that only reshape or convert an array: an input behind them is still the input.
-_RESHAPES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims",
-                       "convert_element_type", "copy", "copy_p"})
+# Operations that only move or convert elements: an input behind them is still the input.
+_MOVES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
+                    "transpose", "rev", "convert_element_type", "copy", "copy_p"})
 
 
 def is_input(x) -> bool:
     """Whether jit tracer `x` is an input of the function being traced (or of an enclosing
-    one it closes over), up to reshapes and conversions: its value exists only on the
-    device, whatever made it outside."""
+    one it closes over), up to moves and conversions: whatever made it outside is not
+    visible in this trace."""
     try:
-        walk = Walk(x, lambda eqn: eqn.primitive.name in _RESHAPES, 16)
+        walk = Walk(x, lambda eqn: eqn.primitive.name in _MOVES, 16)
     except NotWalkable:
         return False
     return bool(walk.leaves) and all(t.parent is None and v not in walk.consts
