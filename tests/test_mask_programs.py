@@ -18,6 +18,7 @@ row or per key column and from positions runs as a mask_mod over those arrays
   oracle; a prefix-LM mask built in the step runs as row groups; a named backend, or
   no Hopper, keeps the mask. A mask closed over by a `lax.scan` body runs as a mask_mod
   there too; one passed in as an argument gets explain()'s note on where to build it.
+  explain() prints the program as an expression over b, h, i, j and its arrays.
 """
 import flax.linen as nn
 import jax
@@ -85,6 +86,21 @@ def test_two_traces_give_equal_programs():
     fn, text = program(7, B, N, T, S)
     (a, *_), (b, *_) = _checked([(fn, inputs(7, B, T, S))] * 2)
     assert a[0] == b[0] and hash(a[0]) == hash(b[0]), text
+
+
+def test_the_program_reads_as_the_mask_it_rewrites():
+    """explain() prints the program as an expression over b, h, i, j and its arrays."""
+    seg = jnp.zeros((SB, SS), jnp.int32)
+    masks = {
+        "(a0[b, i] == a0[b, j])": lambda a: nn.make_attention_mask(a, a, jnp.equal),
+        "(((a0[b, i] > 0) & (a0[b, j] > 0)) & (i >= j))": lambda a: nn.combine_masks(
+            nn.make_attention_mask(a > 0, a > 0), nn.make_causal_mask(a)),
+    }
+    for text, fn in masks.items():
+        found = []
+        jax.eval_shape(lambda a: (found.append(as_mask_mod(fn(a).astype(bool))), a)[1], seg)
+        assert found[0].program.expression() == text
+        assert found[0].program.expression(limit=12) == text[:9] + "..."
 
 
 @pytest.mark.parametrize("mask,diagonal", [

@@ -308,7 +308,8 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
                                     score_mod_args=found.args, **common)
         plan = dispatch.plan(config, backend)
         if plan.groups or plan.preferred == "block_sparse" or (plan.preferred and plan.rewritten):
-            note = "; ".join(filter(None, (note, _PROGRAM_NOTE, plan.rewritten)))
+            note = "; ".join(filter(None, (note, f"{_PROGRAM_NOTE}: "
+                                           f"{found.program.expression()}", plan.rewritten)))
             # (block_sparse marks the rows that see no key by its lse; every row of a
             # rewritten or grouped plan sees one)
             mask4 = None

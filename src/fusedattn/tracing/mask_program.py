@@ -45,6 +45,8 @@ _MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "slic
                     "iota", "copy", "copy_p", "convert_element_type"})
 _NOT_ELEMENTWISE = frozenset({"concatenate", "dynamic_slice", "pad", "reduce_and",
                               "reduce_or", "reduce_max", "reduce_min"})
+_INFIX = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "and": "&",
+          "or": "|", "xor": "^", "add": "+", "sub": "-", "mul": "*", "rem": "%"}
 _POSITION_BITS = (1, 2, 4, 8)   # dependence of a value on b, h, q_idx, kv_idx
 _BOTH = _POSITION_BITS[2] | _POSITION_BITS[3]
 
@@ -67,6 +69,28 @@ class MaskProgram:
     @property
     def __name__(self) -> str:
         return "traced_mask"
+
+    def expression(self, limit: int = 240) -> str:
+        """The program as one expression over ``b, h, i, j`` and its arrays ``a0, a1,
+        ...`` (what explain() prints), cut at `limit` characters."""
+        text: List[str] = []
+        for ins in self.code:
+            kind = ins[0]
+            if kind == "pos":
+                t = "bhij"[ins[1]]
+            elif kind == "lit":
+                t = repr(np.frombuffer(ins[2], jnp.dtype(ins[1])).item())
+            elif kind == "read":
+                t = f"a{ins[1]}" + (f"[{', '.join(text[x] for x in ins[2])}]" if ins[2] else "")
+            elif kind == "convert":
+                t = f"{ins[1]}({text[ins[2]]})"
+            else:
+                name, xs = ins[1].name, [text[x] for x in ins[3]]
+                t = (f"({f' {_INFIX[name]} '.join(xs)})" if name in _INFIX and len(xs) == 2
+                     else f"~{xs[0]}" if name == "not" else f"{name}({', '.join(xs)})")
+            text.append(t)
+        out = text[-1]
+        return out if len(out) <= limit else out[:limit - 3] + "..."
 
     def __call__(self, b, h, i, j, *args):
         positions = (b, h, i, j)
