@@ -18,7 +18,8 @@ row or per key column and from positions runs as a mask_mod over those arrays
   oracle; a prefix-LM mask built in the step runs as row groups; a named backend, or
   no Hopper, keeps the mask. A mask closed over by a `lax.scan` body runs as a mask_mod
   there too; one passed in as an argument gets explain()'s note on where to build it.
-  explain() prints the program as an expression over b, h, i, j and its arrays.
+  explain() prints the program as an expression over b, h, i, j and its arrays; only
+  the plan that runs is logged.
 """
 import flax.linen as nn
 import jax
@@ -351,3 +352,19 @@ def test_a_mask_passed_in_says_where_to_build_it(hopper_reference):
     jax.eval_shape(step, q, _as_data(tok, flax_padding_causal), tok)
     said = ["input of the function being traced" in r for r in found]
     assert said == [True, True, False, False, False, False], found
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_only_the_plan_that_runs_is_logged(hopper, hopper_reference, monkeypatch, caplog):
+    """The program's plan, tried first, is logged only where it runs; the mask's plan
+    only where that runs (one line a call, for the config that runs)."""
+    if not hopper:
+        monkeypatch.setattr(backend, "on_hopper", lambda: False)
+        dispatch.clear_cache()
+    q = jnp.zeros((SB, SS, SH, SD), jnp.bfloat16)
+    with caplog.at_level("INFO", logger="fusedattn"):
+        jax.eval_shape(lambda q, t: fusedattn.flax.attention_fn(
+            q, q, q, mask=nn.make_attention_mask(t > 0, t > 0)), q, _tokens())
+    lines = [r.getMessage() for r in caplog.records if "fusedattn: " in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert ("traced_mask" in lines[0]) == hopper and ("bool-mask" in lines[0]) != hopper, lines

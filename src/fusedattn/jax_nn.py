@@ -306,7 +306,8 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
     if found is not None:
         config, inputs = build_call(q, k, v, mask_mod=found.program,
                                     score_mod_args=found.args, **common)
-        plan = dispatch.plan(config, backend)
+        # (trials are planned quietly: only the plan that runs is logged, below)
+        plan = dispatch.plan(config, backend, quiet=True)
         if plan.groups or plan.preferred == "block_sparse" or (plan.preferred and plan.rewritten):
             note = "; ".join(filter(None, (note, f"{_PROGRAM_NOTE}: "
                                            f"{found.program.expression()}", plan.rewritten)))
@@ -320,14 +321,15 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
             plan = None    # (elsewhere the mask runs as it is)
     if plan is None:
         config, inputs = build_call(q, k, v, dense_mask=dense, **common)
-        plan = dispatch.plan(config, backend)
+        plan = dispatch.plan(config, backend, quiet=True)
         if backend == "auto" and mask4 is not None and is_input(mask4):
             note = "; ".join(filter(None, (note, _INPUT_NOTE)))
     chosen = plan.preferred and dispatch.load_backend(plan.preferred)
     if getattr(chosen, "averages_unseen_rows", False) and not rows_see_keys:
         mean = dataclasses.replace(config, unseen_rows="mean")
         if chosen.supports(dispatch.config_for(mean, plan.preferred)) is None:
-            plan = dispatch.plan(mean, backend)
+            config = mean
+    plan = dispatch.plan(config, backend)
     if note:
         plan = dataclasses.replace(plan, rewritten=note)
     return plan, inputs, mask4, rows_see_keys

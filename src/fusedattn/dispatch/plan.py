@@ -286,14 +286,16 @@ def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[s
 # Plans are cached per (config, platform, request): a re-trace of a known config
 # costs a dict lookup, and the decision is logged once.
 _plans: Dict[tuple, Plan] = {}
+_unlogged: set = set()   # (keys planned quietly: logged when next asked for)
 _plans_lock = threading.Lock()
 
 
 def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = None,
-         context_parallel=None) -> Plan:
+         context_parallel=None, quiet: bool = False) -> Plan:
     """Ask every backend about `config`; pick the first usable one (or the forced one).
     With `context_parallel` (a `ContextParallel`), a backend must also run every block
-    of that split."""
+    of that split. `quiet` (a trial the caller may drop) logs nothing until the same
+    plan is asked for again."""
     platform = platform or current_platform()
     requested = backend
     if requested == "auto":
@@ -303,6 +305,9 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
     key = (config, platform, requested, context_parallel)
     with _plans_lock:
         cached = _plans.get(key)
+        if cached is not None and not quiet and key in _unlogged:
+            _unlogged.discard(key)
+            _log(cached)
     if cached is not None:
         return cached
     rewritten = ""
@@ -310,13 +315,14 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
              if requested == "auto" and context_parallel is None else None)
     if split is not None:
         calls, rewritten = split
-        groups = tuple((q_rows, kv_rows, plan(sub, "auto", platform))
+        groups = tuple((q_rows, kv_rows, plan(sub, "auto", platform, quiet=quiet))
                        for q_rows, kv_rows, sub in calls)
         # (asked as any backend is: the Hopper check and every other reason apply)
-        inference = (plan(config, "block_sparse", platform)
+        inference = (plan(config, "block_sparse", platform, quiet=quiet)
                      if _reason("block_sparse", config, platform) is None else None)
         return _cached(key, Plan(config, platform, requested, None, (),
-                                 rewritten=rewritten, groups=groups, inference=inference))
+                                 rewritten=rewritten, groups=groups, inference=inference),
+                       quiet)
     if requested == "auto":
         found = recognised.as_builtin(config)
         if found is not None:
@@ -342,7 +348,7 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
     if context_parallel is not None:
         distributed = cp_module.describe(config, context_parallel)
     return _cached(key, Plan(config, platform, requested, chosen, reasons, distributed,
-                             rivals, measure_note, context_parallel, rewritten))
+                             rivals, measure_note, context_parallel, rewritten), quiet)
 
 
 def _unmeasured(result: Plan) -> str:
@@ -352,20 +358,28 @@ def _unmeasured(result: Plan) -> str:
     return result.preferred or "no backend"
 
 
-def _cached(key, result: Plan) -> Plan:
-    """`result`, kept for `key`; the decision logged the first time."""
+def _cached(key, result: Plan, quiet: bool = False) -> Plan:
+    """`result`, kept for `key`; the decision logged the first time (unless `quiet`)."""
     with _plans_lock:
         if key not in _plans:
-            runs = (f"a call per run of rows ({[_unmeasured(p) for *_, p in result.groups]})"
-                    if result.groups else _unmeasured(result))
-            if result.inference is not None:
-                runs += "; without a gradient block_sparse"
-            log.info("fusedattn: %s on %s -> %s", result.config.short(), result.platform, runs)
+            if quiet:
+                _unlogged.add(key)
+            else:
+                _log(result)
         _plans[key] = result
     return result
+
+
+def _log(result: Plan) -> None:
+    runs = (f"a call per run of rows ({[_unmeasured(p) for *_, p in result.groups]})"
+            if result.groups else _unmeasured(result))
+    if result.inference is not None:
+        runs += "; without a gradient block_sparse"
+    log.info("fusedattn: %s on %s -> %s", result.config.short(), result.platform, runs)
 
 
 def clear_cache() -> None:
     """Forget cached plans (tests that change the environment use this)."""
     with _plans_lock:
         _plans.clear()
+        _unlogged.clear()
