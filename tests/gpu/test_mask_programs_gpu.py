@@ -43,6 +43,17 @@ def _mask(a, kind):
     return nn.combine_masks(nn.make_attention_mask(a > 0, a > 0), nn.make_causal_mask(a))
 
 
+def _assert_oracle(got, q, k, v, do, mask):
+    """(out, dq, dk, dv) within bf16 tolerance of the float64 oracle with jax.nn's rule;
+    the oracle's results."""
+    want = jax_nn_oracle(q, k, v, do, np.asarray(mask).astype(bool))
+    tol = ac.TOLERANCE["bfloat16"]
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+        err = ac.rel_error(np.asarray(x, np.float64), y)
+        assert err < tol, (name, err)
+    return want
+
+
 @pytest.mark.parametrize("kind", ["padding_causal", "documents", "packed"])
 @pytest.mark.parametrize("b,s,h,d", [(2, 512, 4, 128), (1, 1000, 2, 64)])
 def test_flax_masks_run_as_mask_mods(kind, b, s, h, d):
@@ -62,13 +73,9 @@ def test_flax_masks_run_as_mask_mods(kind, b, s, h, d):
     plan = plans[0]
     assert plan.chosen == "block_sparse" and not plan.config.has_dense_mask, str(plan)
     assert "mask_program" in plan.rewritten, str(plan)
-    want = jax_nn_oracle(q, k, v, do, np.asarray(_mask(a, kind)).astype(bool))
+    want = _assert_oracle(got, q, k, v, do, _mask(a, kind))
     # (padded rows see nothing: jax.nn's rule is exercised)
     assert (~np.isfinite(want[4])).any() == (kind != "packed")
-    tol = ac.TOLERANCE["bfloat16"]
-    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
-        err = ac.rel_error(np.asarray(x, np.float64), y)
-        assert err < tol, (name, err)
 
 
 def test_a_mask_closed_over_by_scanned_checkpointed_layers():
@@ -94,8 +101,4 @@ def test_a_mask_closed_over_by_scanned_checkpointed_layers():
     got = jax.jit(step)(q, k, v, do, a)
     assert plans and all("mask_program" in p.rewritten and p.chosen == "block_sparse"
                          for p in plans), str(plans[0])
-    want = jax_nn_oracle(q, k, v, do, np.asarray(_mask(a, "documents")).astype(bool))
-    tol = ac.TOLERANCE["bfloat16"]
-    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
-        err = ac.rel_error(np.asarray(x, np.float64), y)
-        assert err < tol, (name, err)
+    _assert_oracle(got, q, k, v, do, _mask(a, "documents"))

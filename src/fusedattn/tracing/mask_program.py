@@ -35,14 +35,13 @@ from jax.extend.core import Literal
 
 from ..jaxprs import flatten
 from .folding import CALLS, call_body, exact
-from .walk import NotWalkable, Walk
+from .walk import MOVES, NotWalkable, Walk
 
 MAX_EQUATIONS = 256       # equations walked at most
 MAX_INSTRUCTIONS = 1024   # instructions of the mask_mod at most
 # Operations that move elements (the mask's element at an index is the operand's at
 # another), each with its rule in `_Builder`; and exact ones that are not elementwise.
-_MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "slice", "rev",
-                    "iota", "copy", "copy_p", "convert_element_type"})
+_MOVES = MOVES | {"iota"}
 _NOT_ELEMENTWISE = frozenset({"concatenate", "dynamic_slice", "pad", "reduce_and",
                               "reduce_or", "reduce_max", "reduce_min"})
 _INFIX = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "and": "&",

@@ -93,9 +93,10 @@ class Walk:
         return values[self.x.val]
 
 
-# Operations that only move or convert elements: an input behind them is still the input.
-_MOVES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
-                    "transpose", "rev", "convert_element_type", "copy", "copy_p"})
+# Operations that only move or convert an array's elements: an input behind them is still
+# the input (`mask_program` adds `iota` and a rule for each).
+MOVES = frozenset({"broadcast_in_dim", "reshape", "squeeze", "transpose", "slice", "rev",
+                   "copy", "copy_p", "convert_element_type"})
 
 
 def is_input(x) -> bool:
@@ -103,7 +104,7 @@ def is_input(x) -> bool:
     one it closes over), up to moves and conversions: whatever made it outside is not
     visible in this trace."""
     try:
-        walk = Walk(x, lambda eqn: eqn.primitive.name in _MOVES, 16)
+        walk = Walk(x, lambda eqn: eqn.primitive.name in MOVES, 16)
     except NotWalkable:
         return False
     return bool(walk.leaves) and all(t.parent is None and v not in walk.consts
