@@ -1,0 +1,133 @@
+"""How fast is a CuTe C++ block-sparse backward of our own, one kernel of five products
+(`cute_bwd/kernel.cuh`: dq added in f32 from the dk / dv walk), against the two Mosaic
+GPU kernels of seven (`fusedattn.block_sparse.kernel_bwd`)?
+
+Compiles the kernel with nvcc into shared objects, one per build switch (the whole
+kernel; dq staged and bulk reduce-added; no dq reduction; no dq at all), registers
+each as an XLA FFI target, and times them round-robin with the Mosaic pair in one
+process on the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, the
+map from `from_segment_ids`), after checking every gradient the build computes
+against the Mosaic kernels'. Needs a Hopper GPU, nvcc, pybind11 and the CUTLASS
+headers (the `nvidia-cutlass` wheel, or CUTLASS_INCLUDE).
+`python -m benchmarks.tune.cute_bsa_bwd`
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import time_interleaved
+from fusedattn import block_sparse as bs
+from fusedattn.block_sparse import kernel_bwd
+from fusedattn.block_sparse.attention import block_sparse_attention_with_lse
+from fusedattn.block_sparse.kernel_mask import kernel_mask
+
+B, S, H, D = 4, 4096, 16, 128
+DOCS = (512, 1024, 512, 2048)
+SOURCES = os.path.join(os.path.dirname(__file__), "cute_bwd")
+BUILDS = {"whole kernel": [], "dq bulk reduce-add": ["-DFUSEDATTN_BSB_BULK_DQ"],
+          "no dq reduction": ["-DFUSEDATTN_BSB_NO_RED"], "no dq": ["-DFUSEDATTN_BSB_NO_DQ"]}
+
+
+def _cutlass_include() -> str:
+    if os.environ.get("CUTLASS_INCLUDE"):
+        return os.environ["CUTLASS_INCLUDE"]
+    spec = importlib.util.find_spec("cutlass_library")
+    return os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+
+
+def compile_builds(work: str) -> dict:
+    """label -> path of a shared object exporting FusedattnBlockSparseBwd."""
+    pybind = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], check=True,
+                            capture_output=True, text=True).stdout.split()
+    common = ["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr",
+              "-Xptxas", "-v", "-shared", "-Xcompiler", "-fPIC", "-isystem", jax.ffi.include_dir(),
+              "-isystem", _cutlass_include(), *pybind, os.path.join(SOURCES, "ffi.cu")]
+
+    def build(item):
+        label, flags = item
+        path = os.path.join(work, f"build{list(BUILDS).index(label)}.so")
+        done = subprocess.run(common + flags + ["-o", path], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"nvcc ({label}):\n{done.stderr[-3000:]}")
+        spills = sorted({ln.strip() for ln in done.stderr.splitlines() if "spill" in ln})
+        print(f"{label}: {'; '.join(spills)}")
+        return label, path
+    with ThreadPoolExecutor(len(BUILDS)) as pool:
+        return dict(pool.map(build, BUILDS.items()))
+
+
+def _words(ids):
+    """(id, valid) per token, int32 [B, 2, S]: the documents mask as the kernel reads it."""
+    ids = jnp.asarray(ids, jnp.int32)
+    return jnp.stack([ids, jnp.ones_like(ids)], axis=1)
+
+
+def main():
+    ids = np.broadcast_to(np.concatenate([np.full(n, i, np.int32) for i, n in enumerate(DOCS)]),
+                          (B, S)).copy()
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(x, (B, S, H, D), jnp.bfloat16) for x in keys)
+    bm = bs.from_segment_ids(jnp.asarray(ids), pad_id=None)
+    out, lse = jax.jit(lambda q, k, v: block_sparse_attention_with_lse(q, k, v, bm))(q, k, v)
+    lse2 = lse / math.log(2.0)
+    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+    lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
+    by_q = tuple(jnp.asarray(x, jnp.int32) for x in
+                 (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
+    by_kv = tuple(jnp.asarray(x, jnp.int32) for x in
+                  (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
+    km = kernel_mask(bm.element)
+    scale = D ** -0.5
+    words = _words(ids)
+
+    def mosaic(q, k, v, do, lse_delta):
+        dq, _, _ = kernel_bwd.dq(q, k, v, do, lse_delta, by_q, km, scale=scale)
+        dk, dv, _ = kernel_bwd.dkv(q, k, v, do, lse_delta, by_kv, km, scale=scale)
+        return dq, dk, dv
+    args = (q, k, v, do, lse_delta)
+    calls = {"mosaic (dq + dk/dv kernels)": (jax.jit(mosaic), args)}
+    ref = [np.asarray(x, np.float32) for x in calls["mosaic (dq + dk/dv kernels)"][0](*args)]
+    with tempfile.TemporaryDirectory() as work:
+        for i, (label, path) in enumerate(compile_builds(work).items()):
+            target = f"fusedattn_cute_bsa_bwd_{i}"
+            lib = ctypes.cdll.LoadLibrary(path)
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.FusedattnBlockSparseBwd),
+                                        platform="CUDA")
+
+            def cute(q, k, v, do, lse_delta, target=target):
+                per_head = jax.ShapeDtypeStruct((B, S, H, D), q.dtype)
+                dq, dk, dv = jax.ffi.ffi_call(
+                    target, (jax.ShapeDtypeStruct((B, S, H, D), jnp.float32), per_head, per_head))(
+                    q, k, v, do, lse_delta, *by_kv, words, words, scale=np.float32(scale),
+                    causal=False, s_kv_real=np.int32(S))
+                return (dq * scale).astype(q.dtype), dk, dv
+            fn = jax.jit(cute)
+            got = fn(*args)
+            computes_dq = label in ("whole kernel", "dq bulk reduce-add")
+            checked = ("dq", "dk", "dv") if computes_dq else ("dk", "dv")
+            for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+                if name in checked:
+                    g = np.asarray(g, np.float32)
+                    err = np.linalg.norm(g - r) / np.linalg.norm(r)
+                    print(f"{label}: {name} relative L2 to the Mosaic kernels {err:.1e}")
+                    assert err < 1e-2, (label, name, err)
+            calls[label] = (fn, args)
+        for fn, a in calls.values():
+            jax.block_until_ready(fn(*a))
+        for name, t in time_interleaved(calls).items():
+            print(f"backward {name}: {t * 1e3:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+// The XLA FFI handler of the CuTe block-sparse backward (kernel.cuh): checks the
+// buffers, zeroes the f32 dq buffer and launches on XLA's stream. Compiled on its
+// own into a shared object by benchmarks/tune/cute_bsa_bwd.py (a route measurement,
+// not part of the package), with -D switches that leave parts out.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+#include "kernel.cuh"
+
+namespace ffi = xla::ffi;
+
+namespace fusedattn::block_sparse {
+namespace {
+
+template <typename T>
+std::string launch(cudaStream_t stream, const BwdParams& p) {
+  constexpr int smem = bwd_smem_bytes<T>() + 1024;   // (room to align the base)
+  auto kernel = block_sparse_bwd_kernel<T>;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attr != cudaSuccess) return std::string("smem attribute: ") + cudaGetErrorString(attr);
+  dim3 grid(p.n_kv, p.H, p.B);
+  kernel<<<grid, kThreads, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? std::string() : std::string("launch: ") + cudaGetErrorString(e);
+}
+
+std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                  const ffi::AnyBuffer& d_o, const ffi::Buffer<ffi::F32>& lse_delta,
+                  const ffi::Buffer<ffi::S32>& q_num, const ffi::Buffer<ffi::S32>& q_idx,
+                  const ffi::AnyBuffer& q_words, const ffi::AnyBuffer& kv_words, BwdParams& p) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4) return "q, k must be [B, S, H, D]";
+  p.B = int(qd[0]); p.S = int(qd[1]); p.H = int(qd[2]);
+  p.S_kv = int(kd[1]); p.H_kv = int(kd[2]);
+  if (qd[3] != kDim || kd[3] != kDim) return "the head dim must be 128";
+  if (kd[0] != p.B || p.H % p.H_kv || p.S % kKeys || p.S_kv % kKeys)
+    return "k must be [B, S_kv, H_kv, 128] with H % H_kv == 0 and S, S_kv multiples of 128";
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
+      d_o.element_type() != q.element_type())
+    return "q, k, v and do must share one dtype";
+  if (v.element_count() != k.element_count() || d_o.element_count() != q.element_count())
+    return "v must match k, do must match q";
+  if (lse_delta.element_count() != size_t(p.B) * p.H * 2 * p.S) return "lse_delta must be [B, H, 2, S]";
+  auto ld = q_num.dimensions(), li = q_idx.dimensions();
+  if (ld.size() != 3 || li.size() != 4) return "the key-major lists must be [Lb, Lh, n_kv(, n_q)]";
+  p.n_kv = p.S_kv / kKeys; p.n_q = p.S / kKeys;
+  if (ld[2] != p.n_kv || li[3] != p.n_q) return "the lists do not fit the sequence lengths";
+  if ((ld[0] != 1 && ld[0] != p.B) || (ld[1] != 1 && ld[1] != p.H)) return "lists' batch / head axes";
+  p.list_b = ld[0] != 1; p.list_h = ld[1] != 1;
+  if (q_words.element_count() > 0) {
+    auto wq = q_words.dimensions(), wk = kv_words.dimensions();
+    if (wq.size() != 3 || wk.size() != 3 || wq[1] != 2 || wk[1] != 2 || wq[2] != p.S ||
+        wk[2] != p.S_kv || wq[0] != wk[0] || (wq[0] != 1 && wq[0] != p.B))
+      return "q_words / kv_words must be [B|1, 2, S] / [B|1, 2, S_kv]";
+    p.words_b = wq[0] != 1;
+  }
+  return {};
+}
+
+ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+               ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> lse_delta, ffi::Buffer<ffi::S32> q_num,
+               ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> full_num,
+               ffi::Buffer<ffi::S32> full_idx, ffi::AnyBuffer q_words, ffi::AnyBuffer kv_words,
+               ffi::Result<ffi::Buffer<ffi::F32>> dq_acc, ffi::Result<ffi::AnyBuffer> dk,
+               ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal, int32_t s_kv_real) {
+  BwdParams p{};
+  std::string err = check(q, k, v, d_o, lse_delta, q_num, q_idx, q_words, kv_words, p);
+  if (err.empty() && (full_num.element_count() != q_num.element_count() ||
+                      full_idx.element_count() != q_idx.element_count()))
+    err = "the full lists must match the partial ones";
+  if (err.empty() && (dq_acc->element_count() != q.element_count() ||
+                      dk->element_count() != q.element_count() / p.S * p.S_kv ||
+                      dv->element_count() != dk->element_count()))
+    err = "dq_acc must be [B, S, H, D]; dk, dv [B, S_kv, H, D]";
+  if (!err.empty()) return ffi::Error::InvalidArgument("fusedattn_block_sparse_bwd: " + err);
+  p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data(); p.dout = d_o.untyped_data();
+  p.lse_delta = lse_delta.typed_data();
+  p.q_num = q_num.typed_data(); p.q_idx = q_idx.typed_data();
+  p.full_num = full_num.typed_data(); p.full_idx = full_idx.typed_data();
+  const bool ids = q_words.element_count() > 0;
+  p.q_words = ids ? static_cast<const int32_t*>(q_words.untyped_data()) : nullptr;
+  p.kv_words = ids ? static_cast<const int32_t*>(kv_words.untyped_data()) : nullptr;
+  p.dq_acc = dq_acc->typed_data(); p.dk = dk->untyped_data(); p.dv = dv->untyped_data();
+  p.scale = scale; p.causal = causal; p.s_kv_real = s_kv_real;
+  cudaError_t z = cudaMemsetAsync(p.dq_acc, 0, dq_acc->size_bytes(), stream);
+  if (z != cudaSuccess)
+    return ffi::Error::Internal(std::string("fusedattn_block_sparse_bwd: ") + cudaGetErrorString(z));
+  switch (q.element_type()) {
+    case ffi::DataType::BF16: err = launch<cutlass::bfloat16_t>(stream, p); break;
+    case ffi::DataType::F16: err = launch<cutlass::half_t>(stream, p); break;
+    default: err = "q must be bfloat16 or float16";
+  }
+  return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("fusedattn_block_sparse_bwd: " + err);
+}
+
+}  // namespace
+}  // namespace fusedattn::block_sparse
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnBlockSparseBwd, ::fusedattn::block_sparse::bwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()              // q
+                                  .Arg<ffi::AnyBuffer>()              // k
+                                  .Arg<ffi::AnyBuffer>()              // v
+                                  .Arg<ffi::AnyBuffer>()              // do
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // lse_delta
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // q_num_blocks
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // q_indices
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // full_q_num_blocks
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // full_q_indices
+                                  .Arg<ffi::AnyBuffer>()              // q_words (empty: no ids)
+                                  .Arg<ffi::AnyBuffer>()              // kv_words
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // dq_acc
+                                  .Ret<ffi::AnyBuffer>()              // dk
+                                  .Ret<ffi::AnyBuffer>()              // dv
+                                  .Attr<float>("scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<int32_t>("s_kv_real"),
+                              {ffi::Traits::kCmdBufferCompatible});
