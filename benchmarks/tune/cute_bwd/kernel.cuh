@@ -19,7 +19,6 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/arch/mma_sm90.hpp>
-#include <cute/arch/copy_sm80.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
