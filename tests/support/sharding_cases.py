@@ -50,20 +50,32 @@ def _step(f: Callable, d_out, n_diff: int):
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(n_diff)), has_aux=True))
 
 
+def _f64(tree):
+    return jax.tree_util.tree_map(
+        lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64), tree)
+
+
+def run_single(f: Callable, args: Sequence, d_out, n_diff: int = 3):
+    """The unsharded step's ``((loss, out), grads)`` on one device, as NumPy float64:
+    what `run` compares the sharded step with (for a caller that compares several splits
+    of one call with it, computed once)."""
+    return _f64(_step(f, d_out, n_diff)(*args))
+
+
 def run(f: Callable, args: Sequence, shardings: Sequence, d_out, n_diff: int = 3,
-        reference: Optional[Callable] = None):
+        reference: Optional[Callable] = None, single=None):
     """(unsharded results, sharded results, collectives of the sharded step, its HLO);
     results are ``((loss, out), grads)`` as NumPy float64 leaves. The unsharded run
-    is of `reference` (default `f`) on one device."""
+    is of `reference` (default `f`) on one device; `single`: its results, when the caller
+    has them already (`run_single` of the same call and arguments)."""
     step = _step(f, d_out, n_diff)
-    single = _step(reference or f, d_out, n_diff)(*args)
+    if single is None:
+        single = run_single(reference or f, args, d_out, n_diff)
     placed = [x if s is None else jax.device_put(x, s) for x, s in zip(args, shardings)]
     compiled = step.lower(*placed).compile()
     counts = collectives(compiled.as_text())
     sharded = compiled(*placed)
-    f64 = lambda t: jax.tree_util.tree_map(  # noqa: E731
-        lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64), t)
-    return f64(single), f64(sharded), counts, compiled.as_text()
+    return single, _f64(sharded), counts, compiled.as_text()
 
 
 def assert_same(single, sharded, tol: float) -> None:
