@@ -1,7 +1,9 @@
 """fusedattn on a mesh of GPUs: batch / head splits of the native calls and context
 parallelism, against one GPU doing its share of the work, in one process.
 
-Per row: the sharded forward+backward step (jit, NamedSharding inputs) and, timed
+Batch and head splits run each native backend: cudnn, flash (FA3), cudnn with
+precision="fp8", and block_sparse (the documents mask of bench_block_sparse as flex's
+mask_mod over an id array, ids in the step). Per row: the sharded forward+backward step (jit, NamedSharding inputs) and, timed
 round-robin with it, one GPU running 1/n of the work (the same call on 1/n of the
 batch, heads or tokens; for context parallelism the whole call on one GPU, divided
 by n). efficiency = (1/n work on one GPU) / (sharded step time). Also the
@@ -55,12 +57,30 @@ def _memory(compiled) -> dict:
     return {k: v / 2**30 for k, v in dict(parts, total=total).items()}
 
 
-def _attention_case(b, s, h_q, h_kv, d, backend, mask="causal"):
+def _attention_case(b, s, h_q, h_kv, d, backend, **options):
+    options.setdefault("mask", "causal")
     args = [_normal(0, (b, s, h_q, d)), _normal(1, (b, s, h_kv, d)), _normal(2, (b, s, h_kv, d)),
             _normal(3, (b, s, h_q, d))]
     return args, lambda cp=None: (
-        lambda q, k, v: fusedattn.fused_attn(q, k, v, mask=mask, context_parallel=cp,
-                                             backend=backend))
+        lambda q, k, v: fusedattn.fused_attn(q, k, v, context_parallel=cp, backend=backend,
+                                             **options))
+
+
+def _doc_mod(b, h, i, j, ids):
+    return ids[b, i] == ids[b, j]
+
+
+def _split_backends(b, s, smoke):
+    """(row label, backend, fused_attn options) of the batch / head split rows; on the
+    --smoke harness every backend is XLA."""
+    docs = np.concatenate([np.full(n * s // 4096, i, np.int32)
+                           for i, n in enumerate((512, 1024, 512, 2048))])
+    ids = jnp.asarray(np.broadcast_to(docs, (b, s)))
+    rows = [("causal", "cudnn", {}), ("causal", "flash", {}),
+            ("causal fp8", "cudnn", {"precision": "fp8"}),
+            ("documents", "block_sparse", {"mask": "none", "mask_mod": _doc_mod,
+                                           "score_mod_args": (ids,)})]
+    return [(label, "xla" if smoke else backend, options) for label, backend, options in rows]
 
 
 def rows_to_run(n: int, quick: bool, smoke: bool, cp_only: bool):
@@ -76,18 +96,24 @@ def rows_to_run(n: int, quick: bool, smoke: bool, cp_only: bool):
 
 def _split_rows(n, devices, smoke):
     out = []
-    attn, small = ("xla", "xla") if smoke else ("cudnn", "small_seq")
+    small = "xla" if smoke else "small_seq"
     s_attn = 256 if smoke else 4096
-    # Batch and head splits: b8 s4096 h16 d128 causal (the issue's shape).
-    args, call = _attention_case(8, s_attn, 16, 16, 128, attn)
-    for split, spec, axis in (("batch", P("dp"), "dp"), ("heads", P(None, None, "tp"), "tp")):
-        mesh = jax.sharding.Mesh(devices, (axis,))
-        sh = NamedSharding(mesh, spec)
-        share = [x[: x.shape[0] // n] if split == "batch" else x[:, :, : x.shape[2] // n]
-                 for x in args]
-        out.append((f"b8 s{s_attn} h16 d128 causal, {split} split", attn, split,
-                    (_step(call()), [jax.device_put(x, sh) for x in args]),
-                    (_step(call()), share), 1.0, None))
+    # Batch and head splits: b8 s4096 h16 d128 (the issue's shape), each native backend.
+    for label, attn, options in _split_backends(8, s_attn, smoke):
+        args, call = _attention_case(8, s_attn, 16, 16, 128, attn, **options)
+        for split, spec, axis in (("batch", P("dp"), "dp"), ("heads", P(None, None, "tp"), "tp")):
+            mesh = jax.sharding.Mesh(devices, (axis,))
+            sh = NamedSharding(mesh, spec)
+            share = [x[: x.shape[0] // n] if split == "batch" else x[:, :, : x.shape[2] // n]
+                     for x in args]
+            if "score_mod_args" in options and split == "batch":  # the share's own id rows
+                share_call = _attention_case(8 // n, s_attn, 16, 16, 128, attn, **dict(
+                    options, score_mod_args=(options["score_mod_args"][0][: 8 // n],)))[1]
+            else:
+                share_call = call
+            out.append((f"b8 s{s_attn} h16 d128 {label}, {split} split", attn, split,
+                        (_step(call()), [jax.device_put(x, sh) for x in args]),
+                        (_step(share_call()), share), 1.0, None))
     # Small-seq: 30720 tokens, 16 keys, h8 d128, tokens split.
     t, kv, h, d = (512 if smoke else 30720), 16, 8, 128
     lengths = jnp.asarray(np.random.default_rng(0).integers(1, kv + 1, size=t).astype(np.int32))
@@ -173,7 +199,7 @@ def main():
           flush=True)
     rows = bench(n, opts.quick, opts.smoke, opts.cp_only)
     print("\nefficiency = one GPU doing 1/n of the work / sharded step time (fwd+bwd, bf16)")
-    print_table(rows, ["case", "split", "efficiency", "sharded_ms", "one_gpu_share_ms",
+    print_table(rows, ["case", "backend", "split", "efficiency", "sharded_ms", "one_gpu_share_ms",
                        "all-gather", "all-reduce", "collective-permute", "mem_per_device_GiB",
                        "mem_ratio", "error"])
     device = device_slug(meta)

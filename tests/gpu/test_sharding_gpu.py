@@ -1,6 +1,6 @@
 """Native backends on a mesh of GPUs (needs 2 or more): batch and head splits of the
-cudnn (BF16 and FP8) and small_seq calls give the single-device numbers with no all-gather in the
-compiled step; context parallelism (ring and all-gather) on cuDNN's kernels gives
+cudnn (BF16 and FP8), flash, block_sparse and small_seq calls give the single-device numbers
+with no all-gather in the compiled step; context parallelism (ring and all-gather) on cuDNN's kernels gives
 the single-device numbers; dropout under a split draws the documented per-shard
 stream.
 
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from support import sharding_cases as sc  # noqa: E402
 import fusedattn  # noqa: E402
-from fusedattn import ContextParallel, SequenceDescriptor  # noqa: E402
+from fusedattn import ContextParallel, SequenceDescriptor, jax_nn  # noqa: E402
 from fusedattn.backends import native_op as native_call  # noqa: E402
 from fusedattn.inputs import AttnInputs  # noqa: E402
 from fusedattn.validation import build_call  # noqa: E402
@@ -119,6 +119,70 @@ def test_cudnn_score_mods_split_by_the_calls_head_numbers(n_gpus, split, mod):
     shard = NamedSharding(mesh, spec)
     single, sharded, counts, _ = sc.run(f, [q, k, v], [shard] * 3, d_out, n_diff=3)
     assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
+    sc.assert_same(single, sharded, SPLIT_TOL)
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+def test_flash_split_matches_one_gpu_without_gathers(n_gpus, split):
+    """FA3 (GQA, causal) under a batch or head split: each device runs its shard."""
+    b, s, h_q, h_kv, d = 2 * n_gpus, 1024, 4 * n_gpus, 2 * n_gpus, 128
+    q, k, v, d_out = _qkv(b, s, h_q, h_kv, d)
+    mesh, spec = SPLITS[split](n_gpus)
+
+    def f(q, k, v):
+        return fusedattn.fused_attn(q, k, v, mask="causal", backend="flash")
+    single, sharded, counts, _ = sc.run(f, [q, k, v], [NamedSharding(mesh, spec)] * 3, d_out)
+    assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
+    sc.assert_same(single, sharded, SPLIT_TOL)
+
+
+def _doc_ids(b, s):
+    """[b, s] document ids, each row cut differently and not in sorted order (only a
+    block map serves them), so a shard reading another shard's rows fails."""
+    rng = np.random.default_rng(3)
+    rows = []
+    for r in range(b):
+        cuts = np.sort(rng.choice(np.arange(64, s, 64), size=3 + r % 3, replace=False))
+        ids = np.zeros(s, np.int32)
+        for n, c in enumerate(cuts):
+            ids[c:] = n + 1
+        rows.append(rng.permutation(ids.max() + 1)[ids])
+    return jnp.asarray(np.stack(rows))
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("form", ["mask_mod", "dense"])
+def test_block_sparse_split_matches_one_gpu_without_gathers(n_gpus, split, form):
+    """The block-sparse kernels under a split: a documents mask_mod reading the whole
+    [B, S] id array by b (the call's batch rows on a shard), and the same mask as a
+    dense boolean through the jax.nn drop-in (its map built per shard on the device).
+    The only collective is the loss's scalar all-reduce."""
+    b, s, h_q, h_kv, d = 2 * n_gpus, 1024, 4 * n_gpus, 2 * n_gpus, 128
+    q, k, v, d_out = _qkv(b, s, h_q, h_kv, d)
+    mesh, spec = SPLITS[split](n_gpus)
+    ids = _doc_ids(b, s)
+    if form == "mask_mod":
+        def f(q, k, v):
+            return fusedattn.fused_attn(q, k, v, backend="block_sparse",
+                                        mask_mod=lambda b_, h_, i, j, d_: d_[b_, i] == d_[b_, j],
+                                        score_mod_args=(ids,))
+        plan = fusedattn.explain(q, k, v, backend="block_sparse", score_mod_args=(ids,),
+                                 mask_mod=lambda b_, h_, i, j, d_: d_[b_, i] == d_[b_, j])
+        extra, extra_shardings = [], []
+    else:
+        def f(q, k, v, m):
+            return fusedattn.dot_product_attention(q, k, v, mask=m)
+        dense = ids[:, None, :, None] == ids[:, None, None, :]
+        plan = jax_nn.explain(q, k, v, mask=jax.ShapeDtypeStruct(dense.shape, jnp.bool_))
+        extra = [dense]
+        extra_shardings = [NamedSharding(mesh, P("dp") if split == "batch" else P())]
+    assert plan.chosen == "block_sparse", plan
+    shard = NamedSharding(mesh, spec)
+    single, sharded, counts, text = sc.run(f, [q, k, v, *extra], [shard] * 3 + extra_shardings,
+                                           d_out)
+    assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == 0, \
+        counts
+    assert set(sc.all_reduce_shapes(text)) <= {"f32[]"}, sc.all_reduce_shapes(text)
     sc.assert_same(single, sharded, SPLIT_TOL)
 
 
