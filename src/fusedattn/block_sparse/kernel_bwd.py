@@ -30,7 +30,6 @@ from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index 
                            smem_tiled, tile_fns, value_scratch)
 
 HALF = BLOCK // 2
-DKV_REVERSED = False   # experiment (benchmarks/tune/bsa_bwd_order.py)
 
 
 def _unpack(refs, n_qa, n_ka, has_dense, n_sq, n_skv, n_sd):
@@ -274,8 +273,6 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         in_ready, q_ready, do_ready, ld_ready, qa_ready, free, d_ready, sq_ready, sched = refs
 
         b, h, t, wg = (lax.axis_index(a) for a in ("b", "h", "t", "wg"))
-        if DKV_REVERSED:
-            t = S_kv // BLOCK - 1 - t
         h_kv = h // group
         walk = Lists(list_refs, b, h, t, mb, mh)
         steps = 2 * walk.count                      # two query halves per listed block
