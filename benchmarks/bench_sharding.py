@@ -149,6 +149,15 @@ def _cp_rows(n, devices, quick, smoke):
             out.append((f"b1 s{s} h16 d128 causal, context parallel", attn, label,
                         (_step(call(cp)), [jax.device_put(x, sh) for x in args]),
                         (_step(call()), args), 1.0 / n, (_step(call()), args)))
+    # Documents (bench_block_sparse's lengths, scaled to the sequence) through the ring on
+    # the block-sparse kernels: each step's map skips the blocks its shard hides.
+    s = lengths_cp[0]
+    label, backend, options = _split_backends(1, s, smoke)[-1]
+    args, call = _attention_case(1, s, 16, 16, 128, backend, **options)
+    cp = ContextParallel("cp", strategy="ring", mesh=mesh)
+    out.append((f"b1 s{s} h16 d128 {label}, context parallel", backend, "cp-ring",
+                (_step(call(cp)), [jax.device_put(x, sh) for x in args]),
+                (_step(call()), args), 1.0 / n, (_step(call()), args)))
     return out
 
 

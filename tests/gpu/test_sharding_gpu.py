@@ -1,7 +1,7 @@
 """Native backends on a mesh of GPUs (needs 2 or more): batch and head splits of the
 cudnn (BF16 and FP8), flash, block_sparse and small_seq calls give the single-device numbers
-with no all-gather in the compiled step; context parallelism (ring and all-gather) on cuDNN's kernels gives
-the single-device numbers; dropout under a split draws the documented per-shard
+with no all-gather in the compiled step; context parallelism (ring and all-gather) on cuDNN's kernels, and on the
+block-sparse kernels for a documents mask_mod, gives the single-device numbers; dropout under a split draws the documented per-shard
 stream.
 
 Tolerances (relative norm error against the same call on one GPU):
@@ -327,4 +327,27 @@ def test_cudnn_ring_at_32k_matches_one_gpu(n_gpus):
     single, sharded, counts, _ = sc.run(f, [q, k, v], [shard] * 3, d_out,
                                         reference=lambda q, k, v: f(q, k, v, None))
     assert counts["all-gather"] == 0, counts
+    sc.assert_same(single, sharded, CP_TOL)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_block_sparse_context_parallel_matches_one_gpu(n_gpus, strategy, mask):
+    """A documents mask_mod over a whole [B, S] id array (documents off the block grid)
+    split along the sequence: each block builds its own map at the call's positions."""
+    b, s, h, d = 2, 4096, 8, 128
+    q, k, v, d_out = _qkv(b, s, h, h, d, seed=5)
+    ids = _doc_ids(b, s)
+    mesh = jax.make_mesh((n_gpus,), ("cp",))
+    cp = ContextParallel("cp", strategy=strategy, mesh=mesh)
+
+    def f(q, k, v, cp=cp):
+        return fusedattn.fused_attn(q, k, v, mask=mask, backend="block_sparse",
+                                    mask_mod=lambda b_, h_, i, j, d_: d_[b_, i] == d_[b_, j],
+                                    score_mod_args=(ids,), context_parallel=cp)
+    shard = NamedSharding(mesh, P(None, "cp"))
+    single, sharded, counts, _ = sc.run(f, [q, k, v], [shard] * 3, d_out,
+                                        reference=lambda q, k, v: f(q, k, v, None))
+    if strategy == "ring":
+        assert counts["all-gather"] == 0, counts
     sc.assert_same(single, sharded, CP_TOL)
