@@ -161,10 +161,12 @@ def _cp_rows(n, devices, quick, smoke):
     return out
 
 
-def bench(n: int, quick: bool, smoke: bool, cp_only: bool):
+def bench(n: int, quick: bool, smoke: bool, cp_only: bool, only: str = ""):
     rows = []
     for name, backend, split, (fn, args), (share_fn, share_args), factor, full in \
             rows_to_run(n, quick, smoke, cp_only):
+        if only not in f"{name}, {backend}":
+            continue
         row = {"case": name, "backend": backend, "split": split, "devices": n}
         try:
             compiled = fn.lower(*args).compile()
@@ -196,6 +198,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="context parallelism at 32k only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, XLA backend, any device")
     parser.add_argument("--cp-only", action="store_true", help="context parallelism rows only")
+    parser.add_argument("--only", default="", help="rows whose case or backend holds this")
     parser.add_argument("--tag", default="", help="suffix of the result file name")
     opts = parser.parse_args()
     n = len(jax.devices())
@@ -206,7 +209,7 @@ def main():
     meta = device_meta()
     print(f"device {meta.get('device')} x{n}  jax {meta.get('jax')}  cuDNN {meta.get('cudnn')}",
           flush=True)
-    rows = bench(n, opts.quick, opts.smoke, opts.cp_only)
+    rows = bench(n, opts.quick, opts.smoke, opts.cp_only, opts.only)
     print("\nefficiency = one GPU doing 1/n of the work / sharded step time (fwd+bwd, bf16)")
     print_table(rows, ["case", "backend", "split", "efficiency", "sharded_ms", "one_gpu_share_ms",
                        "all-gather", "all-reduce", "collective-permute", "mem_per_device_GiB",

@@ -24,8 +24,9 @@ from support import sharding_cases as sc
 from support.sharding_cases import partitioner  # noqa: F401 (a fixture)
 import fusedattn
 from fusedattn import SequenceDescriptor, partitioning
-from fusedattn.backends import cudnn
+from fusedattn.backends import cudnn, fp8_op, xla
 from fusedattn.backends import native_op as native_call
+from fusedattn.backends.xla import fp8 as xla_fp8
 from fusedattn.inputs import AttnInputs
 from fusedattn.validation import build_call
 
@@ -225,6 +226,57 @@ def test_explicit_mesh_xla_backend_with_learnable_score_mod_args(spec):
                                         [NamedSharding(mesh, spec)] * 3 + [None], d_out, n_diff=4)
     assert counts["all-gather"] == 0, counts
     sc.assert_same(single, sharded, TOL)
+
+
+def _typed_as_ffi(kernel):
+    """An XLA kernel whose results are typed as an FFI call's are: with no sharding type.
+    Where the operands carry Explicit types (native_op tracing its call at the global
+    shapes) an ffi_call of the kernel's result shapes stands in; it is never lowered, as
+    the partitioner runs the per-device body, whose arrays carry none."""
+    def run(config, *args):
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        at = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+        arrays = [leaves[i] for i in at]
+        if all(partitioning.explicit_mesh(x) is None for x in arrays):
+            return kernel(config, *args)
+
+        def on(*arrays):
+            full = list(leaves)
+            for i, x in zip(at, arrays):
+                full[i] = x
+            return kernel(config, *jax.tree_util.tree_unflatten(tree, full))
+        shapes = jax.eval_shape(on, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays))
+        flat, out_tree = jax.tree_util.tree_flatten(shapes)
+        outs = jax.ffi.ffi_call("fusedattn_test_never_lowered",
+                                [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat])(*arrays)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+    return run
+
+
+native_call.register("xla_typed_as_ffi",
+                     native_call.Kernels(*(_typed_as_ffi(k) for k in (xla.forward, xla.backward))),
+                     native_call.Kernels(*(_typed_as_ffi(k) for k in (xla_fp8.fp8_forward,
+                                                                      xla_fp8.fp8_backward))))
+
+
+@pytest.mark.parametrize("spec", [P("dp"), P(None, None, "dp")], ids=["batch", "heads"])
+@pytest.mark.parametrize("precision", [None, "fp8"], ids=["bf16", "fp8"])
+def test_explicit_mesh_native_calls_typed_by_the_rule(partitioner, precision, spec):
+    """Under Explicit axes an FFI kernel's results carry no sharding type; FP8 current
+    scaling dequantizes them, which typed the results unsharded, and the partitioner
+    gathered the FP8 tensors (cuDNN on 2 GPUs). native_op types every call's results
+    as the rule splits them: no gather."""
+    mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    q, k, v, d_out = (_normal(i, (4, 32, 4, 16)).astype(jnp.bfloat16) for i in range(4))
+
+    def f(q, k, v):
+        config, inputs = build_call(q, k, v, mask="causal", precision=precision)
+        if precision == "fp8":
+            return fp8_op.current_scaling_attention(config, inputs, "xla_typed_as_ffi")
+        return native_call.attention("xla_typed_as_ffi", config, inputs)[0]
+    single, sharded, counts, _ = sc.run(f, [q, k, v], [NamedSharding(mesh, spec)] * 3, d_out)
+    assert counts["all-gather"] == counts["all-to-all"] == 0, counts
+    sc.assert_same(single, sharded, 1e-2)
 
 
 @pytest.fixture

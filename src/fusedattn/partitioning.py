@@ -307,6 +307,19 @@ def typed_like(x, ref):
         return jax.sharding.reshard(x, want)
 
 
+def typed_by_rule(config: AttnConfig, q_dims: Dims, q, results, dims: Sequence[Dims]):
+    """`results` of a native call on `q` (roles `dims`) typed as the rule's split leaves
+    them, where q's mesh has Explicit axes. An FFI call's results carry no sharding type;
+    an op that meets them (a dequantize) then types its own result unsharded, and the
+    partitioner gathers the call's results to match."""
+    mesh = explicit_mesh(q)
+    if mesh is None:
+        return tuple(results)
+    split = decide(config, dict(mesh.shape), [("q", q_dims, jax.typeof(q).sharding.spec)])
+    with jax.sharding.use_abstract_mesh(mesh):
+        return tuple(jax.sharding.reshard(x, split.spec(d)) for x, d in zip(results, dims))
+
+
 def in_auto_axes(fn, ref, out_specs, *args):
     """fn(*args) with the Explicit axes of ref's mesh made Auto inside, results typed by
     `out_specs()` (asked only then). XLA-level attention reshapes heads and scatters

@@ -188,8 +188,11 @@ def _mix_into_rng(op: _Op, flat, index, word: int = 0):
 
 def _body(op: _Op, *flat):
     # Under jit, so that arrays the body creates are constants of an inner call:
-    # custom_partitioning takes a body without constants of its own.
-    return jax.jit(functools.partial(_run, op, op.config))(flat)
+    # custom_partitioning takes a body without constants of its own. Its results' types
+    # are the call's (traced here, at the global shapes): the rule's split, not the
+    # kernels' (an FFI call's carry none).
+    outs = jax.jit(functools.partial(_run, op, op.config))(flat)
+    return P.typed_by_rule(op.config, op.in_dims[0], flat[0], outs, op.out_dims)
 
 
 def _split(op: _Op, mesh, arg_shapes) -> P.Split:
