@@ -264,6 +264,17 @@ def test_cudnn_fp8_split_matches_one_gpu_without_gathers(n_gpus, split):
 
 
 # ---- context parallelism ---------------------------------------------------------------------
+def _check_split_sequence(f, args, d_out, mesh, strategy):
+    """``f(q, k, v, cp)`` split along the sequence (axis "cp" of `mesh`) against
+    ``f(q, k, v, None)`` on one GPU; the ring moves kv by ppermutes, never a gather."""
+    shard = NamedSharding(mesh, P(None, "cp"))
+    single, sharded, counts, _ = sc.run(f, args, [shard] * 3, d_out,
+                                        reference=lambda q, k, v: f(q, k, v, None))
+    if strategy == "ring":
+        assert counts["all-gather"] == 0, counts
+    sc.assert_same(single, sharded, CP_TOL)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 @pytest.mark.parametrize("mask,padded", [("none", False), ("causal", False), ("none", True),
                                          ("causal", True)])
@@ -280,12 +291,7 @@ def test_cudnn_context_parallel_matches_one_gpu(n_gpus, strategy, mask, padded):
     def f(q, k, v, cp=cp):
         return fusedattn.fused_attn(q, k, v, mask=mask, sequence=seq, context_parallel=cp,
                                     backend="cudnn")
-    shard = NamedSharding(mesh, P(None, "cp"))
-    single, sharded, counts, _ = sc.run(f, [q, k, v], [shard] * 3, d_out,
-                                        reference=lambda q, k, v: f(q, k, v, None))
-    if strategy == "ring":
-        assert counts["all-gather"] == 0, counts
-    sc.assert_same(single, sharded, CP_TOL)
+    _check_split_sequence(f, [q, k, v], d_out, mesh, strategy)
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
@@ -318,14 +324,10 @@ def test_cudnn_ring_at_32k_matches_one_gpu(n_gpus):
     q, k, v, d_out = _qkv(b, s, h, h, d, seed=11)
     mesh = jax.make_mesh((n_gpus,), ("cp",))
     cp = ContextParallel("cp", mesh=mesh)
-    shard = NamedSharding(mesh, P(None, "cp"))
 
     def f(q, k, v, cp=cp):
         return fusedattn.fused_attn(q, k, v, mask="causal", context_parallel=cp, backend="cudnn")
-    single, sharded, counts, _ = sc.run(f, [q, k, v], [shard] * 3, d_out,
-                                        reference=lambda q, k, v: f(q, k, v, None))
-    assert counts["all-gather"] == 0, counts
-    sc.assert_same(single, sharded, CP_TOL)
+    _check_split_sequence(f, [q, k, v], d_out, mesh, "ring")
 
 
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
@@ -343,9 +345,4 @@ def test_block_sparse_context_parallel_matches_one_gpu(n_gpus, strategy, mask):
         return fusedattn.fused_attn(q, k, v, mask=mask, backend="block_sparse",
                                     mask_mod=lambda b_, h_, i, j, d_: d_[b_, i] == d_[b_, j],
                                     score_mod_args=(ids,), context_parallel=cp)
-    shard = NamedSharding(mesh, P(None, "cp"))
-    single, sharded, counts, _ = sc.run(f, [q, k, v], [shard] * 3, d_out,
-                                        reference=lambda q, k, v: f(q, k, v, None))
-    if strategy == "ring":
-        assert counts["all-gather"] == 0, counts
-    sc.assert_same(single, sharded, CP_TOL)
+    _check_split_sequence(f, [q, k, v], d_out, mesh, strategy)
