@@ -3,7 +3,10 @@ parallelism, against one GPU doing its share of the work, in one process.
 
 Batch and head splits run each native backend: cudnn, flash (FA3), cudnn with
 precision="fp8", and block_sparse (the documents mask of bench_block_sparse as flex's
-mask_mod over an id array, ids in the step). Per row: the sharded forward+backward step (jit, NamedSharding inputs) and, timed
+mask_mod over an id array, ids in the step); context parallelism runs cuDNN, and the
+same documents through the ring on the block-sparse kernels.
+
+Per row: the sharded forward+backward step (jit, NamedSharding inputs) and, timed
 round-robin with it, one GPU running 1/n of the work (the same call on 1/n of the
 batch, heads or tokens; for context parallelism the whole call on one GPU, divided
 by n). efficiency = (1/n work on one GPU) / (sharded step time). Also the

@@ -1,8 +1,9 @@
 """Native backends on a mesh of GPUs (needs 2 or more): batch and head splits of the
-cudnn (BF16 and FP8), flash, block_sparse and small_seq calls give the single-device numbers
-with no all-gather in the compiled step; context parallelism (ring and all-gather) on cuDNN's kernels, and on the
-block-sparse kernels for a documents mask_mod, gives the single-device numbers; dropout under a split draws the documented per-shard
-stream.
+cudnn (BF16 and FP8), flash, block_sparse and small_seq calls give the single-device
+numbers with no all-gather in the compiled step; context parallelism (ring and
+all-gather) on cuDNN's kernels, and on the block-sparse kernels for a documents
+mask_mod, gives the single-device numbers; dropout under a split draws the documented
+per-shard stream.
 
 Tolerances (relative norm error against the same call on one GPU):
 * batch / head splits: 1e-2 in bf16. Each device runs the same kernels on the
