@@ -1,0 +1,73 @@
+"""Does the block-sparse dq kernel gain from overlapping each step's dQ product with the
+next step's elementwise work (`kernel_bwd.dq(overlap=True)`: dQ's accumulator held in
+flight across steps, S and dP read with one wgmma group pending, four K / V stages)?
+
+Checks on the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, map from
+`from_segment_ids`), causal and a dense document mask's map that the overlapped dq equals
+the default one bit for bit, then times both round-robin in one process, with the dk / dv
+kernel beside them for scale. `python -m benchmarks.tune.bsa_dq_overlap`
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import time_interleaved
+from fusedattn import block_sparse as bs
+from fusedattn.block_sparse import kernel_bwd
+from fusedattn.block_sparse.attention import block_sparse_attention_with_lse
+from fusedattn.block_sparse.kernel_mask import kernel_mask
+
+B, S, H, D = 4, 4096, 16, 128
+DOCS = (512, 1024, 512, 2048)
+
+
+def _ids():
+    return jnp.asarray(np.broadcast_to(
+        np.concatenate([np.full(n, i, np.int32) for i, n in enumerate(DOCS)]), (B, S)).copy())
+
+
+MAPS = {"documents": lambda: bs.from_segment_ids(_ids(), pad_id=None),
+        "causal": lambda: bs.from_builtin(S, mask="causal"),
+        "dense documents": lambda: bs.from_dense_mask(
+            _ids()[:, None, :, None] == _ids()[:, None, None, :])}
+
+
+def main():
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(x, (B, S, H, D), jnp.bfloat16) for x in keys)
+    scale = D ** -0.5
+    calls = {}
+    for name, make in MAPS.items():
+        bm = make()
+        out, lse = jax.jit(lambda q, k, v: block_sparse_attention_with_lse(q, k, v, bm))(q, k, v)
+        lse2 = lse / math.log(2.0)
+        delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+        lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
+        by_q = tuple(jnp.asarray(x, jnp.int32) for x in
+                     (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
+        by_kv = tuple(jnp.asarray(x, jnp.int32) for x in
+                      (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
+        km = kernel_mask(bm.element)
+        args = (q, k, v, do, lse_delta)
+        got = {}
+        for overlap in (False, True):
+            fn = jax.jit(lambda *a, overlap=overlap, by_q=by_q, km=km: kernel_bwd.dq(
+                *a, by_q, km, scale=scale, overlap=overlap)[0])
+            got[overlap] = np.asarray(fn(*args), np.float32)
+            calls[f"{name}: dq{' overlapped' if overlap else ''}"] = (fn, args)
+        same = np.array_equal(got[False], got[True])
+        err = np.linalg.norm(got[True] - got[False]) / np.linalg.norm(got[False])
+        print(f"{name}: overlapped dq bit-identical {same}, relative L2 {err:.1e}", flush=True)
+        assert err < 1e-3, (name, err)
+        calls[f"{name}: dk / dv"] = (jax.jit(lambda *a, by_kv=by_kv, km=km: kernel_bwd.dkv(
+            *a, by_kv, km, scale=scale)[:2]), args)
+    for name, t in time_interleaved(calls).items():
+        print(f"{name}: {t * 1e3:.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
