@@ -265,7 +265,8 @@ def test_explicit_mesh_native_calls_typed_by_the_rule(partitioner, precision, sp
     """Under Explicit axes an FFI kernel's results carry no sharding type; FP8 current
     scaling dequantizes them, which typed the results unsharded, and the partitioner
     gathered the FP8 tensors (cuDNN on 2 GPUs). native_op types every call's results
-    as the rule splits them: no gather."""
+    as the rule splits them: no gather. (The BF16 cases passed before too: nothing meets
+    their results before the step returns them.)"""
     mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
     q, k, v, d_out = (_normal(i, (4, 32, 4, 16)).astype(jnp.bfloat16) for i in range(4))
 
@@ -276,6 +277,29 @@ def test_explicit_mesh_native_calls_typed_by_the_rule(partitioner, precision, sp
         return native_call.attention("xla_typed_as_ffi", config, inputs)[0]
     single, sharded, counts, _ = sc.run(f, [q, k, v], [NamedSharding(mesh, spec)] * 3, d_out)
     assert counts["all-gather"] == counts["all-to-all"] == 0, counts
+    sc.assert_same(single, sharded, 1e-2)
+
+
+@pytest.mark.parametrize("spec,h_kv", [(P(None, "dp"), 4), (P(None, None, "dp"), 1)],
+                         ids=["sequence", "heads-not-dividing-kv"])
+@pytest.mark.parametrize("precision", [None, "fp8"], ids=["bf16", "fp8"])
+def test_explicit_mesh_native_calls_the_rule_gathers(partitioner, precision, spec, h_kv):
+    """Splits the rule cannot keep (the sequence without context parallelism, heads that
+    do not divide the kv heads): the call gathers, as documented, and the gradients are
+    still typed as their primals (custom_vjp's rule) under Explicit axes."""
+    mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    q, d_out = (_normal(i, (4, 32, 4, 16)).astype(jnp.bfloat16) for i in (0, 3))
+    k, v = (_normal(i, (4, 32, h_kv, 16)).astype(jnp.bfloat16) for i in (1, 2))
+
+    def f(q, k, v):
+        config, inputs = build_call(q, k, v, mask="causal", precision=precision)
+        if precision == "fp8":
+            return fp8_op.current_scaling_attention(config, inputs, "xla_typed_as_ffi")
+        return native_call.attention("xla_typed_as_ffi", config, inputs)[0]
+    kv_spec = spec if h_kv % 2 == 0 else P()   # (one kv head: replicated)
+    shardings = [NamedSharding(mesh, spec)] + [NamedSharding(mesh, kv_spec)] * 2
+    single, sharded, counts, _ = sc.run(f, [q, k, v], shardings, d_out)
+    assert counts["all-gather"] > 0, counts
     sc.assert_same(single, sharded, 1e-2)
 
 

@@ -402,12 +402,20 @@ def backward(backend: str, config: AttnConfig, inputs: AttnInputs, out, lse, d_o
 
 def _cotangents(inputs: AttnInputs, grads: AttnInputs) -> AttnInputs:
     """Gradients for every leaf of `inputs`: integer data (descriptor, rng bits) gets
-    none, score_mod_args theirs where the kernels give them (`Kernels.arg_grads`)."""
-    return AttnInputs(q=grads.q, k=grads.k, v=grads.v, bias=grads.bias,
-                      softmax_offset=grads.softmax_offset,
+    none, score_mod_args theirs where the kernels give them (`Kernels.arg_grads`).
+    Each is typed as its primal (custom_vjp's rule): where the partitioning rule gathers
+    an axis the primal splits, the call's results are typed unsplit."""
+    like = P.typed_like
+    args = tuple(grads.score_mod_args) or tuple(None for _ in inputs.score_mod_args)
+    return AttnInputs(q=like(grads.q, inputs.q), k=like(grads.k, inputs.k),
+                      v=like(grads.v, inputs.v),
+                      bias=None if inputs.bias is None else like(grads.bias, inputs.bias),
+                      softmax_offset=None if inputs.softmax_offset is None else like(
+                          grads.softmax_offset, inputs.softmax_offset),
                       sequence=jax.tree_util.tree_map(lambda _: None, inputs.sequence),
-                      rng=None, score_mod_args=tuple(grads.score_mod_args) or tuple(
-                          None for _ in inputs.score_mod_args))
+                      rng=None, score_mod_args=tuple(
+                          g if g is None or x is None else like(g, x)
+                          for g, x in zip(args, inputs.score_mod_args)))
 
 
 # The primal asks for the inference step's backend, the fwd rule for the training
