@@ -63,9 +63,10 @@ def native_calls(jaxpr):
         if eqn.primitive.name == "custom_partitioning":
             yield eqn.params["static_args"][0].step, [str(v.aval) for v in eqn.outvars]
         for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if isinstance(inner, jax.extend.core.Jaxpr):
-                yield from native_calls(inner)
+            for item in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(item, "jaxpr", item)   # (cond's branches are a tuple)
+                if isinstance(inner, jax.extend.core.Jaxpr):
+                    yield from native_calls(inner)
 
 
 def cudnn_types():

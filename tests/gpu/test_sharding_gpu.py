@@ -314,10 +314,7 @@ def test_cudnn_context_parallel_score_mods_see_the_calls_positions(n_gpus, strat
     def f(q, k, v, cp=cp):
         return fusedattn.fused_attn(q, k, v, mask="causal", score_mod=score_mod,
                                     context_parallel=cp, backend="cudnn")
-    shard = NamedSharding(mesh, P(None, "cp"))
-    single, sharded, _, _ = sc.run(f, [q, k, v], [shard] * 3, d_out,
-                                   reference=lambda q, k, v: f(q, k, v, None))
-    sc.assert_same(single, sharded, CP_TOL)
+    _check_split_sequence(f, [q, k, v], d_out, mesh, strategy)
 
 
 def test_cudnn_ring_at_32k_matches_one_gpu(n_gpus):

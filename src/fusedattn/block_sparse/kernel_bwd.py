@@ -64,8 +64,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     [B, H, n, S] f32 (zeros for non-float values), else None; with float diagonal values
     theirs [B, H, l, K], else None. `lists` are the query-major ones of the map. Each
     step takes half a key block. `overlap`: each step's dQ product runs under the next
-    step's elementwise work, with two more K / V stages (an experiment, not measured
-    yet: `benchmarks/tune/bsa_dq_overlap.py`)."""
+    step's elementwise work, with a third K / V stage (an experiment, off:
+    docs/decisions.md, `benchmarks/tune/bsa_dq_overlap.py`)."""
     B, S, H, D = q.shape
     group = H // k.shape[2]
     dt = q.dtype
@@ -80,7 +80,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     runs = sd.shape[3] if n_sd else 0
     hw = interpret is None
     overlap = overlap and hw
-    stages = NSTAGE + 2 if overlap else NSTAGE
+    stages = NSTAGE + 1 if overlap else NSTAGE
     # Half a key block a step: at whole blocks a score_mod's tiles (positions, its
     # derivative, its values' gradients) spill registers; plain masks run alike at both.
     width = HALF
@@ -100,6 +100,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         d_smem = refs.pop(0) if dense is not None else None
         sq_smem = refs.pop(0) if n_sq else None
         skv_smem = refs.pop(0) if n_skv else None
+        ds_smem = refs.pop(0) if overlap else None
         dsd_smem = refs.pop(0) if d_diag else None
         if n_sd:   # (last in the scratch)
             *refs, sd_smem, sd_ready = refs
@@ -184,20 +185,28 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
             def overlapped(acc_ref):
                 """The steps with each step's dQ product issued after the next step's S
-                and dP and left in flight through its elementwise work (the first step
-                issues a product of zeros)."""
-                def step(s_i, carry):
-                    ds_prev, d_sq = carry
+                and dP and left in flight through its elementwise work. dS goes through
+                SMEM (two buffers by step parity): a register operand would be rewritten
+                by the next step while its product still reads it. The first step
+                multiplies a buffer of zeros, so every step leaves one group pending."""
+                ds_w = ds_smem.at[wg]
+                ds_w.at[1][...] = plgpu.layout_cast(jnp.zeros(shape, dt), plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
+
+                def overlapped_step(s_i, d_sq):
                     prev = lax.rem(jnp.maximum(s_i - 1, 0), stages)
-                    ds, _, d_sq = scores(
-                        s_i, d_sq, lambda: plgpu.wgmma(acc_ref, ds_prev, k_smem.at[prev]), 1)
-                    # Step s_i - 2's K slot: its dQ product is done now.
+                    ds, _, d_sq = scores(s_i, d_sq, lambda: plgpu.wgmma(
+                        acc_ref, ds_w.at[lax.rem(s_i + 1, 2)], k_smem.at[prev]), 1)
+                    # Step s_i - 2's K slot and dS buffer: its dQ product is done now.
                     pl.when(s_i >= 2)(lambda: plgpu.barrier_arrive(
                         free.at[lax.rem(s_i - 2, stages)]))
-                    return ds, d_sq
-                ds, d_sq = lax.fori_loop(0, steps, step, (jnp.zeros(shape, dt), zero_rows))
+                    ds_w.at[lax.rem(s_i, 2)][...] = ds
+                    plgpu.commit_smem()
+                    return d_sq
+                d_sq = lax.fori_loop(0, steps, overlapped_step, zero_rows)
                 last = lax.rem(jnp.maximum(steps - 1, 0), stages)
-                pl.when(steps > 0)(lambda: plgpu.wgmma(acc_ref, ds, k_smem.at[last]))
+                pl.when(steps > 0)(lambda: plgpu.wgmma(
+                    acc_ref, ds_w.at[lax.rem(steps - 1, 2)], k_smem.at[last]))
                 acc = acc_ref[...]
                 for back in (2, 1):
                     pl.when(steps >= back)(lambda back=back: plgpu.barrier_arrive(
@@ -248,6 +257,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                smem_tiled((stages, width, D), dt), smem_tiled((stages, width, D), dt)]
     scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (stages, width),
                               (width // WORD, ROWS), stages)
+    if overlap:
+        scratch.append(smem_tiled((NWG, 2, ROWS, width), dt))
     if d_diag:
         scratch.append(plgpu.SMEM((NWG, n_sd, runs, ROWS), F32))
     scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=stages),
