@@ -1,6 +1,8 @@
 """Does the block-sparse dq kernel gain from overlapping each step's dQ product with the
 next step's elementwise work (`kernel_bwd.dq(overlap=True)`: dQ's accumulator held in
-flight across steps, S and dP read with one wgmma group pending, four K / V stages)?
+flight across steps, S and dP read with one wgmma group pending, dS staged in SMEM,
+three K / V stages)? Where ptxas cannot keep wgmma groups in flight it serializes them
+(warning C7510), which cancels the overlap: then the two forms time alike.
 
 Checks on the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, map from
 `from_segment_ids`), causal and a dense document mask's map that the overlapped dq equals
