@@ -11,17 +11,14 @@ kernel beside them for scale. `python -m benchmarks.tune.bsa_dq_overlap`
 """
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import time_interleaved
 from fusedattn import block_sparse as bs
+from benchmarks.tune.bsa_inputs import backward_inputs
 from fusedattn.block_sparse import kernel_bwd
-from fusedattn.block_sparse.attention import block_sparse_attention_with_lse
-from fusedattn.block_sparse.kernel_mask import kernel_mask
 
 B, S, H, D = 4, 4096, 16, 128
 DOCS = (512, 1024, 512, 2048)
@@ -44,17 +41,7 @@ def main():
     scale = D ** -0.5
     calls = {}
     for name, make in MAPS.items():
-        bm = make()
-        out, lse = jax.jit(lambda q, k, v: block_sparse_attention_with_lse(q, k, v, bm))(q, k, v)
-        lse2 = lse / math.log(2.0)
-        delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
-        lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
-        by_q = tuple(jnp.asarray(x, jnp.int32) for x in
-                     (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
-        by_kv = tuple(jnp.asarray(x, jnp.int32) for x in
-                      (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
-        km = kernel_mask(bm.element)
-        args = (q, k, v, do, lse_delta)
+        args, by_q, by_kv, km = backward_inputs(make(), q, k, v, do)
         got = {}
         for overlap in (False, True):
             fn = jax.jit(lambda *a, overlap=overlap, by_q=by_q, km=km: kernel_bwd.dq(

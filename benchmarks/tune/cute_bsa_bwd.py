@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import math
 import os
 import subprocess
 import sys
@@ -27,10 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import time_interleaved
+from benchmarks.tune.bsa_inputs import backward_inputs
 from fusedattn import block_sparse as bs
 from fusedattn.block_sparse import kernel_bwd
-from fusedattn.block_sparse.attention import block_sparse_attention_with_lse
-from fusedattn.block_sparse.kernel_mask import kernel_mask
 
 B, S, H, D = 4, 4096, 16, 128
 DOCS = (512, 1024, 512, 2048)
@@ -79,15 +77,7 @@ def main():
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(x, (B, S, H, D), jnp.bfloat16) for x in keys)
     bm = bs.from_segment_ids(jnp.asarray(ids), pad_id=None)
-    out, lse = jax.jit(lambda q, k, v: block_sparse_attention_with_lse(q, k, v, bm))(q, k, v)
-    lse2 = lse / math.log(2.0)
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
-    lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
-    by_q = tuple(jnp.asarray(x, jnp.int32) for x in
-                 (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
-    by_kv = tuple(jnp.asarray(x, jnp.int32) for x in
-                  (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
-    km = kernel_mask(bm.element)
+    args, by_q, by_kv, km = backward_inputs(bm, q, k, v, do)
     scale = D ** -0.5
     words = _words(ids)
 
@@ -95,7 +85,6 @@ def main():
         dq, _, _ = kernel_bwd.dq(q, k, v, do, lse_delta, by_q, km, scale=scale)
         dk, dv, _ = kernel_bwd.dkv(q, k, v, do, lse_delta, by_kv, km, scale=scale)
         return dq, dk, dv
-    args = (q, k, v, do, lse_delta)
     calls = {"mosaic (dq + dk/dv kernels)": (jax.jit(mosaic), args)}
     ref = [np.asarray(x, np.float32) for x in calls["mosaic (dq + dk/dv kernels)"][0](*args)]
     with tempfile.TemporaryDirectory() as work:

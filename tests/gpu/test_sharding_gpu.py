@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
