@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fusedattn
+from benchmarks.bench_block_sparse import DOCS, doc_mod
 from benchmarks.common import (collectives, device_meta, device_slug, print_table, run_main,
                                time_interleaved, warmed, write_results)
 from fusedattn import ContextParallel
@@ -69,19 +70,14 @@ def _attention_case(b, s, h_q, h_kv, d, backend, **options):
                                              **options))
 
 
-def _doc_mod(b, h, i, j, ids):
-    return ids[b, i] == ids[b, j]
-
-
 def _split_backends(b, s, smoke):
     """(row label, backend, fused_attn options) of the batch / head split rows; on the
     --smoke harness every backend is XLA."""
-    docs = np.concatenate([np.full(n * s // 4096, i, np.int32)
-                           for i, n in enumerate((512, 1024, 512, 2048))])
+    docs = np.concatenate([np.full(n * s // 4096, i, np.int32) for i, n in enumerate(DOCS)])
     ids = jnp.asarray(np.broadcast_to(docs, (b, s)))
     rows = [("causal", "cudnn", {}), ("causal", "flash", {}),
             ("causal fp8", "cudnn", {"precision": "fp8"}),
-            ("documents", "block_sparse", {"mask": "none", "mask_mod": _doc_mod,
+            ("documents", "block_sparse", {"mask": "none", "mask_mod": doc_mod,
                                            "score_mod_args": (ids,)})]
     return [(label, "xla" if smoke else backend, options) for label, backend, options in rows]
 

@@ -259,6 +259,16 @@ native_call.register("xla_typed_as_ffi",
                                                                       xla_fp8.fp8_backward))))
 
 
+def _typed_as_ffi_call(precision):
+    """A causal call on the FFI-typed kernels, BF16 or with FP8 current scaling."""
+    def f(q, k, v):
+        config, inputs = build_call(q, k, v, mask="causal", precision=precision)
+        if precision == "fp8":
+            return fp8_op.current_scaling_attention(config, inputs, "xla_typed_as_ffi")
+        return native_call.attention("xla_typed_as_ffi", config, inputs)[0]
+    return f
+
+
 @pytest.mark.parametrize("spec", [P("dp"), P(None, None, "dp")], ids=["batch", "heads"])
 @pytest.mark.parametrize("precision", [None, "fp8"], ids=["bf16", "fp8"])
 def test_explicit_mesh_native_calls_typed_by_the_rule(partitioner, precision, spec):
@@ -270,12 +280,8 @@ def test_explicit_mesh_native_calls_typed_by_the_rule(partitioner, precision, sp
     mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
     q, k, v, d_out = (_normal(i, (4, 32, 4, 16)).astype(jnp.bfloat16) for i in range(4))
 
-    def f(q, k, v):
-        config, inputs = build_call(q, k, v, mask="causal", precision=precision)
-        if precision == "fp8":
-            return fp8_op.current_scaling_attention(config, inputs, "xla_typed_as_ffi")
-        return native_call.attention("xla_typed_as_ffi", config, inputs)[0]
-    single, sharded, counts, _ = sc.run(f, [q, k, v], [NamedSharding(mesh, spec)] * 3, d_out)
+    single, sharded, counts, _ = sc.run(_typed_as_ffi_call(precision), [q, k, v],
+                                        [NamedSharding(mesh, spec)] * 3, d_out)
     assert counts["all-gather"] == counts["all-to-all"] == 0, counts
     sc.assert_same(single, sharded, 1e-2)
 
@@ -291,14 +297,10 @@ def test_explicit_mesh_native_calls_the_rule_gathers(partitioner, precision, spe
     q, d_out = (_normal(i, (4, 32, 4, 16)).astype(jnp.bfloat16) for i in (0, 3))
     k, v = (_normal(i, (4, 32, h_kv, 16)).astype(jnp.bfloat16) for i in (1, 2))
 
-    def f(q, k, v):
-        config, inputs = build_call(q, k, v, mask="causal", precision=precision)
-        if precision == "fp8":
-            return fp8_op.current_scaling_attention(config, inputs, "xla_typed_as_ffi")
-        return native_call.attention("xla_typed_as_ffi", config, inputs)[0]
     kv_spec = spec if h_kv % 2 == 0 else P()   # (one kv head: replicated)
     shardings = [NamedSharding(mesh, spec)] + [NamedSharding(mesh, kv_spec)] * 2
-    single, sharded, counts, _ = sc.run(f, [q, k, v], shardings, d_out)
+    single, sharded, counts, _ = sc.run(_typed_as_ffi_call(precision), [q, k, v], shardings,
+                                        d_out)
     assert counts["all-gather"] > 0, counts
     sc.assert_same(single, sharded, 1e-2)
 

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from support import sharding_cases as sc  # noqa: E402
+from support.block_sparse_cases import doc_ids  # noqa: E402
 import fusedattn  # noqa: E402
 from fusedattn import ContextParallel, SequenceDescriptor, jax_nn  # noqa: E402
 from fusedattn.backends import native_op as native_call  # noqa: E402
@@ -138,15 +139,8 @@ def test_flash_split_matches_one_gpu_without_gathers(n_gpus, split):
 def _doc_ids(b, s):
     """[b, s] document ids, each row cut differently and not in sorted order (only a
     block map serves them), so a shard reading another shard's rows fails."""
-    rng = np.random.default_rng(3)
-    rows = []
-    for r in range(b):
-        cuts = np.sort(rng.choice(np.arange(64, s, 64), size=3 + r % 3, replace=False))
-        ids = np.zeros(s, np.int32)
-        for n, c in enumerate(cuts):
-            ids[c:] = n + 1
-        rows.append(rng.permutation(ids.max() + 1)[ids])
-    return jnp.asarray(np.stack(rows))
+    return jnp.asarray(np.stack([doc_ids(1, s, (192 + 64 * r, s // 8, 320 - 64 * (r % 3)))[0]
+                                 for r in range(b)]))
 
 
 @pytest.mark.parametrize("split", sorted(SPLITS))
