@@ -59,13 +59,11 @@ def _run(body, out_type, scratch, grid, args, interpret):
 
 
 def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
-       score_values=(None, None, None), overlap=False, interpret=None):
+       score_values=(None, None, None), interpret=None):
     """dq [B, S, H, D] in q's dtype; with a score's float q values their gradient
     [B, H, n, S] f32 (zeros for non-float values), else None; with float diagonal values
     theirs [B, H, l, K], else None. `lists` are the query-major ones of the map. Each
-    step takes half a key block. `overlap`: each step's dQ product runs under the next
-    step's elementwise work, with a third K / V stage (an experiment, off:
-    docs/decisions.md, `benchmarks/tune/bsa_dq_overlap.py`)."""
+    step takes half a key block."""
     B, S, H, D = q.shape
     group = H // k.shape[2]
     dt = q.dtype
@@ -79,8 +77,6 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     d_diag = any(d_floats)
     runs = sd.shape[3] if n_sd else 0
     hw = interpret is None
-    overlap = overlap and hw
-    stages = NSTAGE + 1 if overlap else NSTAGE
     # Half a key block a step: at whole blocks a score_mod's tiles (positions, its
     # derivative, its values' gradients) spill registers; plain masks run alike at both.
     width = HALF
@@ -100,7 +96,6 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         d_smem = refs.pop(0) if dense is not None else None
         sq_smem = refs.pop(0) if n_sq else None
         skv_smem = refs.pop(0) if n_skv else None
-        ds_smem = refs.pop(0) if overlap else None
         dsd_smem = refs.pop(0) if d_diag else None
         if n_sd:   # (last in the scratch)
             *refs, sd_smem, sd_ready = refs
@@ -142,10 +137,9 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             if d_diag:   # the diagonal values' gradient sums, a row of each run
                 diag.clear(dsd_smem.at[wg])
 
-            def scores(s_i, d_sq, between=None, pending=0):
-                """Step s_i's dS in dt, its K / V slot and the values' gradient sums;
-                `between` runs while its S and dP products are in flight."""
-                slot = lax.rem(s_i, stages)
+            def step(s_i, carry):
+                acc, d_sq = carry
+                slot = lax.rem(s_i, NSTAGE)
                 j, partial = walk.entry(s_i // per)
                 k0 = j * BLOCK + lax.rem(s_i, per) * width
                 plgpu.barrier_wait(k_ready.at[slot])
@@ -154,8 +148,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 if n_skv:
                     plgpu.barrier_wait(skv_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
-                s, dp = matmul_t2(qw, k_smem.at[slot], dow, v_smem.at[slot], shape, interpret,
-                                  between, pending)
+                s, dp = matmul_t2(qw, k_smem.at[slot], dow, v_smem.at[slot], shape, interpret)
                 words = None if dense is None else lambda: dense_tile(
                     d_smem, d_ready, slot, wg, 1, shape, interpret)
                 diag_at = diag and (diag, diag.span(q0, k0, shape, 0))
@@ -174,50 +167,12 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                         d_sq = _row_sums(d_sq, g_rows, q_floats)
                     if d_diag:
                         diag.add_row_sums(dsd_smem.at[wg], diag_at[1], g_diag, d_floats)
-                return ds.astype(dt), slot, d_sq
-
-            def step(s_i, carry):
-                acc, d_sq = carry
-                ds, slot, d_sq = scores(s_i, d_sq)
-                acc = matmul_acc(acc, ds, k_smem.at[slot], interpret)
+                acc = matmul_acc(acc, ds.astype(dt), k_smem.at[slot], interpret)
                 plgpu.barrier_arrive(free.at[slot])
                 return acc, d_sq
 
-            def overlapped(acc_ref):
-                """The steps with each step's dQ product issued after the next step's S
-                and dP and left in flight through its elementwise work. dS goes through
-                SMEM (two buffers by step parity): a register operand would be rewritten
-                by the next step while its product still reads it. The first step
-                multiplies a buffer of zeros, so every step leaves one group pending."""
-                ds_w = ds_smem.at[wg]
-                ds_w.at[1][...] = plgpu.layout_cast(jnp.zeros(shape, dt), plgpu.Layout.WGMMA)
-                plgpu.commit_smem()
-
-                def overlapped_step(s_i, d_sq):
-                    prev = lax.rem(jnp.maximum(s_i - 1, 0), stages)
-                    ds, _, d_sq = scores(s_i, d_sq, lambda: plgpu.wgmma(
-                        acc_ref, ds_w.at[lax.rem(s_i + 1, 2)], k_smem.at[prev]), 1)
-                    # Step s_i - 2's K slot and dS buffer: its dQ product is done now.
-                    pl.when(s_i >= 2)(lambda: plgpu.barrier_arrive(
-                        free.at[lax.rem(s_i - 2, stages)]))
-                    ds_w.at[lax.rem(s_i, 2)][...] = ds
-                    plgpu.commit_smem()
-                    return d_sq
-                d_sq = lax.fori_loop(0, steps, overlapped_step, zero_rows)
-                last = lax.rem(jnp.maximum(steps - 1, 0), stages)
-                pl.when(steps > 0)(lambda: plgpu.wgmma(
-                    acc_ref, ds_w.at[lax.rem(steps - 1, 2)], k_smem.at[last]))
-                acc = acc_ref[...]
-                for back in (2, 1):
-                    pl.when(steps >= back)(lambda back=back: plgpu.barrier_arrive(
-                        free.at[lax.rem(steps - back, stages)]))
-                return acc, d_sq
-
             zero_rows = [jnp.zeros((ROWS,), F32) for _ in q_floats if d_values]
-            if overlap:
-                acc, d_sq = pl.run_scoped(overlapped, plgpu.ACC((ROWS, D), F32))
-            else:
-                acc, d_sq = lax.fori_loop(0, steps, step, (jnp.zeros((ROWS, D), F32), zero_rows))
+            acc, d_sq = lax.fori_loop(0, steps, step, (jnp.zeros((ROWS, D), F32), zero_rows))
             qw[...] = (acc * scale).astype(dt)
             for r, x in enumerate(d_sq):   # (the values were read into registers above)
                 sq_smem.at[wg, r][...] = x
@@ -235,11 +190,11 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 plgpu.set_max_registers(40, action="decrease")
 
             def issue(s_i, _):
-                slot = lax.rem(s_i, stages)
+                slot = lax.rem(s_i, NSTAGE)
                 j, partial = walk.entry(s_i // per)
                 k0 = j * BLOCK + lax.rem(s_i, per) * width
                 keys = pl.ds(k0, width)
-                pl.when(s_i >= stages)(lambda: plgpu.barrier_wait(free.at[slot]))
+                pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], k_smem.at[slot], k_ready.at[slot])
                 if dense is not None:
                     load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
@@ -249,22 +204,20 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                           n_skv and (skv_ref, skv_smem.at[slot], skv_ready.at[slot]))
                 plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], v_smem.at[slot], v_ready.at[slot])
             lax.fori_loop(0, steps, issue, None)
-            lax.fori_loop(jnp.maximum(steps - stages, 0), steps,
-                          lambda s_i, _: plgpu.barrier_wait(free.at[lax.rem(s_i, stages)]), None)
+            lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
+                          lambda s_i, _: plgpu.barrier_wait(free.at[lax.rem(s_i, NSTAGE)]), None)
 
     scratch = [smem_tiled((NWG, ROWS, D), dt), smem_tiled((NWG, ROWS, D), dt),
                plgpu.SMEM((NWG, 2, ROWS), F32),
-               smem_tiled((stages, width, D), dt), smem_tiled((stages, width, D), dt)]
-    scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (stages, width),
-                              (width // WORD, ROWS), stages)
-    if overlap:
-        scratch.append(smem_tiled((NWG, 2, ROWS, width), dt))
+               smem_tiled((NSTAGE, width, D), dt), smem_tiled((NSTAGE, width, D), dt)]
+    scratch += value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, (NWG, ROWS), (NSTAGE, width),
+                              (width // WORD, ROWS))
     if d_diag:
         scratch.append(plgpu.SMEM((NWG, n_sd, runs, ROWS), F32))
-    scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_arrivals=NWG, num_barriers=stages),
-                plgpu.Barrier(num_barriers=stages * NWG), plgpu.Barrier(num_barriers=stages)]
+    scratch += [plgpu.Barrier(num_barriers=NWG * 5), plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_barriers=NSTAGE), plgpu.Barrier(num_barriers=NSTAGE),
+                plgpu.Barrier(num_arrivals=NWG, num_barriers=NSTAGE),
+                plgpu.Barrier(num_barriers=NSTAGE * NWG), plgpu.Barrier(num_barriers=NSTAGE)]
     sd = diagonal_words(score, sd) if n_sd else None
     scratch += diagonal_scratch(sd)
     extra = [x for x in (qa, ka, dense, sq, skv, sd) if x is not None]

@@ -60,10 +60,9 @@ def matmul_acc(acc, a, b_ref, interpret):
     return pl.run_state(lambda r: plgpu.wgmma(r, a, b_ref))(plgpu.ACC.init(acc))
 
 
-def matmul_t2(a1, b1, a2, b2, shape, interpret, between=None, pending=0):
+def matmul_t2(a1, b1, a2, b2, shape, interpret, between=None):
     """(a1 @ b1.T, a2 @ b2.T) with both wgmmas in flight at once (one wait, not two);
-    `between` runs while they are in flight. With `pending` = n, the last n wgmma
-    groups `between` issued stay in flight when the two are read."""
+    `between` runs while they are in flight."""
     if interpret:
         return tuple(jnp.dot(a[...], b[...].T, preferred_element_type=F32)
                      for a, b in ((a1, b1), (a2, b2)))
@@ -73,9 +72,6 @@ def matmul_t2(a1, b1, a2, b2, shape, interpret, between=None, pending=0):
         plgpu.wgmma(y, a2, b2.T)
         if between is not None:
             between()
-        if pending:
-            return (plgpu.wgmma_accumulator_load(x, wait_n=pending),
-                    plgpu.wgmma_accumulator_load(y, wait_n=pending))
         return x[...], y[...]
     return pl.run_scoped(run, plgpu.ACC(shape, F32), plgpu.ACC(shape, F32))
 
@@ -123,8 +119,7 @@ def counts(kmask, score_values):
         (score_values[2], 2)))
 
 
-def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_words,
-                  stages=NSTAGE):
+def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_words):
     """SMEM for the mask arrays, a dense mask tile's words (`dense_words`: (words,
     queries) per stage and warpgroup, loaded by the TMA warpgroup with the stage's
     blocks) and the score value words: the q side's and kv side's
@@ -135,7 +130,7 @@ def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_words,
     if n_ka:
         scratch.append(plgpu.SMEM((kv_side[0], n_ka, kv_side[1]), jnp.int32))
     if kmask.dense is not None:
-        scratch.append(plgpu.SMEM((stages, NWG) + dense_words, jnp.int32))
+        scratch.append(plgpu.SMEM((NSTAGE, NWG) + dense_words, jnp.int32))
     if n_sq:
         scratch.append(plgpu.SMEM((q_side[0], n_sq, q_side[1]), F32))
     if n_skv:
