@@ -74,6 +74,36 @@ def test_unseen_rows_take_the_mean_of_the_values(s):
     _check("random_dense", 4, 2, 128, jnp.bfloat16, s=s, unseen_rows="mean")
 
 
+@pytest.mark.parametrize("cut", [False, True])
+def test_unseen_rows_under_a_device_flag(cut):
+    """A dense mask passed to the step: whether a row may see no key is a flag on the
+    device (`unseen_rows.gate`), and the mean of v and its gradient are summed by the
+    Pallas kernel only when it is set. Documents of whole blocks (flag 0: every row
+    sees its own block); with some rows' keys cut away (flag 1: they see none)."""
+    from fusedattn.block_sparse import unseen_rows
+    q, k, v, do = _inputs(4, 2, 128, jnp.bfloat16)
+    if choose_implementation(q) != "mosaic":
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
+    ids = doc_ids(B, S, [128, 256, 128])
+    visible = np.broadcast_to((ids[:, :, None] == ids[:, None, :])[:, None], (B, 4, S, S)).copy()
+    if cut:
+        visible[:, :, 200:203] = False
+
+    @jax.jit
+    def step(q, k, v, do, mask):
+        bm = bs.from_dense_mask(mask)
+        out, vjp = jax.vjp(lambda q, k, v: block_sparse_attention(
+            q, k, v, bm, unseen_rows="mean"), q, k, v)
+        return (out,) + vjp(do) + (unseen_rows.gate(bm, False),)
+
+    out, dq, dk, dv, flag = step(q, k, v, do, jnp.asarray(visible))
+    assert int(flag[0]) == cut
+    ref_out, _, ref_grads = oracle(q, k, v, visible, 128 ** -0.5, None, do, unseen_rows="mean")
+    assert rel_error(out, ref_out) < 2e-2
+    for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
+        assert rel_error(g, r) < 4e-2, name
+
+
 @pytest.mark.parametrize("family", ["causal", "documents", "random_dense"])
 def test_backward_is_deterministic(family):
     """dq and dk / dv walk their own lists with no atomics: the same bits run after run."""

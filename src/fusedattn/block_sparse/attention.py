@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..inputs import token_sum, value_mean
-from . import kernel_bwd, kernel_fwd, reference
+from . import kernel_bwd, kernel_fwd, reference, unseen_rows as unseen
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
 from .kernel_parts import BLOCK, whole
@@ -85,6 +84,8 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
     ``s_q x s_kv`` array)."""
     s_q, s_kv = q.shape[1], k.shape[1]
     fn, scale, impl, (q, k, v), ints = _operands(q, k, v, block_map, scale, implementation)
+    mean_over, flag = _unseen_rule(unseen_rows, block_map, score_mod is not None, s_kv)
+    ints += (flag,)
     args = tuple(score_mod_args)
     floats = [i for i, a in enumerate(args) if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
     score_fn = []
@@ -102,8 +103,7 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
     lse2 = jnp.pad(lse.astype(jnp.float32) / math.log(2.0), ((0, 0), (0, 0), (0, whole - s_q)),
                    constant_values=-jnp.inf)
     out, d_out = (_pad_tokens(x, whole) for x in (out, d_out))
-    dq, dk, dv, _, d_values, _ = _bwd(fn, scale, score_fn[0], impl,
-                                      _mean_over(unseen_rows, s_kv),
+    dq, dk, dv, _, d_values, _ = _bwd(fn, scale, score_fn[0], impl, mean_over,
                                       (q, k, v, values, ints, out, lse2), (d_out, None))
     d_args = [None] * len(args)
     for i, g in zip(floats, pullback(d_values)[0]):
@@ -113,22 +113,35 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
 
 def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_rows):
     s_q, s_kv = q.shape[1], k.shape[1]
-    mean_over = _mean_over(unseen_rows, s_kv)
-    # The mean of v an unseen row gives, from v before its padding (a sum of the padded v
-    # fused with its pad ran slower). A constant to the vjp: the backward adds its
-    # gradient to dv itself.
-    fill = None if mean_over is None else jax.lax.stop_gradient(value_mean(v, q.shape[2]))
+    mean_over, flag = _unseen_rule(unseen_rows, bm, score_mod is not None, s_kv)
+    v_real = v
     fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation)
+    fill = None
+    if mean_over is not None:
+        # The mean of v an unseen row gives, from v before its padding (a sum of the
+        # padded v fused with its pad ran slower). A constant to the vjp: the backward
+        # adds its gradient to dv itself.
+        total = unseen.gated_token_sum(v_real, True if flag is None else flag,
+                                       kernel=impl == "mosaic")
+        fill = jax.lax.stop_gradient(
+            jnp.repeat(total / s_kv, q.shape[2] // k.shape[2], axis=1))
     score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
-    out, lse2 = _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints)
+    out, lse2 = _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values,
+                           ints + (flag,))
     return out[:, :s_q], lse2[..., :s_q]
 
 
-def _mean_over(unseen_rows: str, s_kv: int) -> Optional[int]:
-    """How many keys an unseen row's mean takes (None: such rows give 0)."""
+def _unseen_rule(unseen_rows: str, bm: BlockMap, has_score: bool, s_kv: int):
+    """(how many keys an unseen row's mean takes, or None where such rows give 0 or the
+    map leaves none; the device flag of `unseen_rows.gate`, or None)."""
     if unseen_rows not in UNSEEN_ROWS:
         raise ValueError(f"unseen_rows must be one of {UNSEEN_ROWS}, got {unseen_rows!r}")
-    return s_kv if unseen_rows == "mean" else None
+    if unseen_rows == "zero":
+        return None, None
+    flag = unseen.gate(bm, has_score)
+    if flag is False:
+        return None, None
+    return s_kv, (None if flag is True else flag)
 
 
 def _score(score_mod, score_mod_args, batch, heads, s_q, s_kv):
@@ -189,7 +202,7 @@ def _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints):
 
 
 def _forward(fn, scale, score, impl, q, k, v, fill, values, ints):
-    fwd_lists, _, qa, ka, dense = ints
+    fwd_lists, _, qa, ka, dense, _ = ints
     km = KernelMask(qa, ka, dense, fn)
     kernels = kernel_fwd if impl == "mosaic" else reference
     return kernels.forward(q, k, v, fwd_lists, km, scale=scale, score=score,
@@ -204,7 +217,7 @@ def _fwd(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints):
 def _bwd(fn, scale, score, impl, mean_over, res, cts):
     q, k, v, values, ints, out, lse2 = res
     do = cts[0].astype(q.dtype)
-    fwd_lists, bwd_lists, qa, ka, dense = ints
+    fwd_lists, bwd_lists, qa, ka, dense, flag = ints
     km = KernelMask(qa, ka, dense, fn)
     delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
     # A reduction of its own: fused into the stack below, XLA computed it element by
@@ -218,9 +231,9 @@ def _bwd(fn, scale, score, impl, mean_over, res, cts):
         # An unseen row's output is the mean of v: its cotangent reaches every key's dv
         # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
         # A masked sum over the sequence reads dO once (as an einsum, XLA transposed dO
-        # for a matmul first), in two stages (`token_sum`).
-        unseen = jnp.swapaxes(lse2 == -jnp.inf, 1, 2)[..., None]       # [B, S, H, 1]
-        dv_add = token_sum(jnp.where(unseen, do, 0)) / mean_over
+        # for a matmul first).
+        dv_add = unseen.gated_token_sum(do, True if flag is None else flag, lse2,
+                                        kernel=impl == "mosaic") / mean_over
     kernels = kernel_bwd if impl == "mosaic" else reference
     dq, d_q_values, d_d_values = kernels.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
     dk, dv, d_kv_values = kernels.dkv(q, k, v, do, lse_delta, bwd_lists, km, dv_add=dv_add,

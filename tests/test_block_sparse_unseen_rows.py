@@ -1,0 +1,86 @@
+"""jax.nn's rows that see no key on the block-sparse path (`block_sparse.unseen_rows`):
+the gate that says whether any row may see no key (at trace time, or as a device flag)
+against brute force, the gated token sums (the Pallas kernel interpreted, and XLA's
+form) against numpy with the flag on and off, and `unseen_rows="mean"` under a device
+flag of each value against the float64 oracle."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from support.block_sparse_cases import dense_visibility, doc_ids, oracle, rel_error
+from fusedattn import block_sparse as bs
+from fusedattn.block_sparse import unseen_rows
+from fusedattn.block_sparse.attention import block_sparse_attention
+
+B, H, H_KV, D = 2, 4, 2, 32
+
+
+def _brute_may_be_unseen(bm) -> bool:
+    """Some query block has no full key block."""
+    return bool((np.asarray(bm.full_kv_num_blocks) == 0).any())
+
+
+def test_gate_at_trace_time_and_on_the_device():
+    causal = bs.from_builtin(512, mask="causal")         # block 0's only block is partial
+    docs = bs.from_segment_ids(jnp.asarray(doc_ids(B, 512, (128, 256, 128))), pad_id=None)
+    assert unseen_rows.gate(causal, has_score=False) is True
+    assert unseen_rows.gate(causal, has_score=True) is True
+    flag = unseen_rows.gate(docs, has_score=False)       # built on the device
+    assert flag.shape == (1,) and flag.dtype == jnp.int32 and int(flag[0]) == 0
+    for lengths in ((128, 256, 128), (100, 300, 112)):   # whole blocks, then cut ones
+        ids = doc_ids(B, 512, lengths)
+        mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
+        bm = jax.jit(bs.from_dense_mask)(mask)
+        got = jax.jit(lambda m: unseen_rows.gate(bs.from_dense_mask(m), False))(mask)
+        assert int(got[0]) == _brute_may_be_unseen(bm)
+    assert unseen_rows.gate(docs, has_score=True) is True
+
+
+@pytest.mark.parametrize("s", [512, 384, 300])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("on", [0, 1])
+def test_gated_token_sum(s, masked, on):
+    keys = jax.random.split(jax.random.key(s), 2)
+    x = jax.random.normal(keys[0], (B, s, H, D), jnp.bfloat16)
+    lse2 = None
+    want = np.asarray(x, np.float64)
+    if masked:
+        lse2 = jnp.where(jax.random.bernoulli(keys[1], 0.2, (B, H, s)), -jnp.inf, 1.0)
+        want = np.where(np.isinf(np.asarray(lse2)).transpose(0, 2, 1)[..., None], want, 0)
+    want = want.sum(1) * on
+    flag = jnp.asarray([on], jnp.int32)
+    for kw in (dict(kernel=True, interpret=True), dict(kernel=False)):
+        got = unseen_rows.gated_token_sum(x, flag, lse2, **kw)
+        assert got.shape == (B, H, D) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("lengths, sees_all", [((128, 256, 128), True), ((100, 300, 112), False)])
+def test_mean_rule_under_a_device_flag(lengths, sees_all):
+    """A dense mask passed to the step: its map, and so the gate, exist only on the device.
+    Documents of whole blocks leave no row unseen (flag 0: no mean computed, the result
+    is the same); the other case drops some rows' keys so that they see none (flag 1)."""
+    s = 512
+    ids = doc_ids(B, s, lengths)
+    visible = np.broadcast_to((ids[:, :, None] == ids[:, None, :])[:, None], (B, H, s, s)).copy()
+    if not sees_all:
+        visible[:, :, 5:9] = False                       # rows that see no key
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, k, v, do = (jax.random.normal(kk, (B, s, hh, D)) for kk, hh in zip(keys, (H, H_KV, H_KV, H)))
+
+    @jax.jit
+    def step(q, k, v, do, mask):
+        bm = bs.from_dense_mask(mask)
+        out, vjp = jax.vjp(lambda q, k, v: block_sparse_attention(
+            q, k, v, bm, implementation="reference", unseen_rows="mean"), q, k, v)
+        return (out,) + vjp(do) + (unseen_rows.gate(bm, False),)
+
+    out, dq, dk, dv, flag = step(q, k, v, do, jnp.asarray(visible))
+    assert int(flag[0]) == (not sees_all)
+    ref_out, _, ref_grads = oracle(q, k, v, visible, D ** -0.5, None, do, unseen_rows="mean")
+    assert rel_error(out, ref_out) < 1e-4
+    for g, r in zip((dq, dk, dv), ref_grads):
+        assert rel_error(g, r) < 1e-4
