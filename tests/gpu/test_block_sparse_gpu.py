@@ -74,6 +74,25 @@ def test_unseen_rows_take_the_mean_of_the_values(s):
     _check("random_dense", 4, 2, 128, jnp.bfloat16, s=s, unseen_rows="mean")
 
 
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("on", [0, 1])
+def test_gated_token_sum_kernel(masked, on):
+    """The Mosaic GPU kernel of `unseen_rows.gated_token_sum` against numpy: the sum of
+    every token, or of the unseen rows' (lse2 -inf), and zeros with the flag off."""
+    from fusedattn.block_sparse import unseen_rows
+    x = _inputs(4, 4, 128, jnp.bfloat16, s=1024)[0]
+    if choose_implementation(x) != "mosaic":
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
+    lse2 = None
+    want = np.asarray(x, np.float64)
+    if masked:
+        lse2 = jnp.where(jax.random.bernoulli(jax.random.key(1), 0.2, (B, 4, 1024)), -jnp.inf, 1.0)
+        want = np.where(np.isinf(np.asarray(lse2)).transpose(0, 2, 1)[..., None], want, 0)
+    got = jax.jit(lambda x, f, l: unseen_rows.gated_token_sum(x, f, l, kernel=True))(
+        x, jnp.asarray([on], jnp.int32), lse2)
+    np.testing.assert_allclose(np.asarray(got), want.sum(1) * on, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("cut", [False, True])
 def test_unseen_rows_under_a_device_flag(cut):
     """A dense mask passed to the step: whether a row may see no key is a flag on the

@@ -4,23 +4,26 @@ gradient, summed only where the map leaves a row that may see no key.
 A query block with a full key block has every row seeing a key. So unless some query
 block lacks one, nothing reads the mean, and `gate` says so: at trace time for a map
 known there, else as a flag on the device. A `lax.cond` on that flag would send it to
-the host every step (docs/decisions.md), so the sums are a Pallas Triton kernel whose
-programs read the flag and return zeros without reading their tokens.
+the host every step (docs/decisions.md), so the sums are a Mosaic GPU kernel whose
+CTAs read the flag and, where it is 0, return without reading their tokens.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..inputs import token_sum
 from .block_map import BlockMap
+from .kernel_parts import F32, ROWS, col_vector, cols_of, matmul_acc, smem_tiled
 
 Gate = Union[bool, jax.Array]
+CHUNK = 256   # tokens a CTA sums
 
 
 def gate(bm: BlockMap, has_score: bool) -> Gate:
@@ -34,55 +37,60 @@ def gate(bm: BlockMap, has_score: bool) -> Gate:
     return jnp.any(full == 0).astype(jnp.int32).reshape(1)
 
 
-def gated_token_sum(x, flag: Gate, lse2=None, *, kernel: bool, interpret: bool = False):
-    """``x [b, s, h, d]`` summed over s in f32, ``[b, h, d]``; with `lse2` ``[b, h, s]``
-    only the tokens whose row's lse2 is -inf (the rows that saw no key). Zeros where
-    `flag` is 0. `kernel`: the Pallas kernel (on a GPU that runs Triton, or
-    `interpret`ed), else XLA, which reads x whatever the flag."""
-    if lse2 is not None:
-        unseen = jnp.swapaxes(lse2 == -jnp.inf, 1, 2)[..., None]      # [b, s, h, 1]
-    if flag is True or not kernel or _chunk(x.shape) is None:
-        total = token_sum(x if lse2 is None else jnp.where(unseen, x, 0))
-        return total if flag is True else total * flag[0].astype(jnp.float32)
-    return _pallas_sum(x, flag, lse2, _chunk(x.shape), interpret)
+def gated_token_sum(x, flag: Gate, lse2=None, *, kernel: bool):
+    """``x [b, s, h, d]`` summed over s in f32, ``[b, h, d]``, a constant to autodiff;
+    with `lse2` ``[b, h, s]`` only the tokens whose row's lse2 is -inf (the rows that saw
+    no key). Zeros where `flag` is 0. `kernel`: the Mosaic GPU kernel (a Hopper GPU),
+    else XLA, which reads x whatever the flag."""
+    x = lax.stop_gradient(x)
+    if flag is True or not kernel or x.shape[1] % CHUNK or x.shape[3] % 64:
+        if lse2 is not None:
+            x = jnp.where(jnp.swapaxes(lse2 == -jnp.inf, 1, 2)[..., None], x, 0)
+        total = token_sum(x)
+    else:
+        total = _kernel_sum(x, flag, lse2)[:, :, :, 0].sum(1)
+    # A select, not a product: where the flag is 0 the kernel left its output unwritten.
+    return total if flag is True else jnp.where(flag[0] != 0, total, 0.0)
 
 
-def _chunk(shape) -> Optional[int]:
-    """Tokens a program sums (Triton blocks are powers of two), or None."""
-    s, d = shape[1], shape[3]
-    if d & (d - 1):
-        return None
-    return next((c for c in (256, 128) if s % c == 0), None)
-
-
-def _pallas_sum(x, flag, lse2, chunk, interpret):
+def _kernel_sum(x, flag, lse2):
+    """Per CTA, a chunk of tokens of one (batch, head), summed by one wgmma: a tile of
+    ones (or of the unseen rows' indicator) times the tokens, whose rows are all the
+    sum; [b, s / CHUNK, h, 8, d] (TMA stores the first 8 rows, a whole tile)."""
     b, s, h, d = x.shape
+    shape = (ROWS, CHUNK)
 
     def body(flag_ref, x_ref, *refs):
-        out_ref = refs[-1]
-        on = flag_ref[0] != 0
+        if lse2 is not None:
+            lse_ref, out_ref, x_smem, lse_smem, acc_smem, ready = refs
+        else:
+            (out_ref, x_smem, acc_smem, ready), lse_ref = refs, None
+        i, t, j = (lax.axis_index(a) for a in ("b", "t", "h"))
+        tokens = pl.ds(t * CHUNK, CHUNK)
 
-        @pl.when(on)
+        @pl.when(flag_ref[0] != 0)
         def _sum():
-            tokens = x_ref[...].astype(jnp.float32)                  # [chunk, d]
-            if lse2 is not None:
-                tokens = jnp.where((refs[0][...] == -jnp.inf)[:, None], tokens, 0.0)
-            out_ref[...] = jnp.sum(tokens, axis=0)
+            plgpu.copy_gmem_to_smem(x_ref.at[i, tokens, j], x_smem, ready.at[0])
+            if lse_ref is not None:
+                plgpu.copy_gmem_to_smem(lse_ref.at[i, j, tokens], lse_smem, ready.at[1])
+                plgpu.barrier_wait(ready.at[1])
+                unseen = cols_of(col_vector(lse_smem, False), shape) == -jnp.inf
+                weights = jnp.where(unseen, 1.0, 0.0).astype(x.dtype)
+            else:
+                weights = plgpu.layout_cast(jnp.ones(shape, x.dtype), plgpu.Layout.WGMMA)
+            plgpu.barrier_wait(ready.at[0])
+            acc_smem[...] = matmul_acc(jnp.zeros((ROWS, d), F32), weights, x_smem, False)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(acc_smem.at[pl.ds(0, 8)], out_ref.at[i, t, j])
+            plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(jnp.logical_not(on))
-        def _zeros():
-            out_ref[...] = jnp.zeros((d,), jnp.float32)
-
-    in_specs = [pl.BlockSpec((1,), lambda i, t, j: (0,)),
-                pl.BlockSpec((None, chunk, None, d), lambda i, t, j: (i, t, j, 0))]
-    args = [flag, x]
+    scratch = [smem_tiled((CHUNK, d), x.dtype)]
     if lse2 is not None:
-        in_specs.append(pl.BlockSpec((None, None, chunk), lambda i, t, j: (i, j, t)))
-        args.append(lse2)
-    parts = pl.pallas_call(
-        body, grid=(b, s // chunk, h), in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, None, d), lambda i, t, j: (i, t, j, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, s // chunk, h, d), jnp.float32),
-        compiler_params=pltriton.CompilerParams(num_warps=4),
-        interpret=interpret)(*args)
-    return parts.sum(1)
+        scratch.append(plgpu.SMEM((CHUNK,), F32))
+    scratch += [plgpu.SMEM((ROWS, d), F32, transforms=(plgpu.TilingTransform((8, 32)),
+                                                      plgpu.SwizzleTransform(128))),
+                plgpu.Barrier(num_barriers=2)]
+    return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((b, s // CHUNK, h, 8, d), F32),
+                        scratch_types=tuple(scratch), grid=(b, s // CHUNK, h),
+                        grid_names=("b", "t", "h"))(
+        flag, x, *(() if lse2 is None else (lse2,)))
