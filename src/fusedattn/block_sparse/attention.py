@@ -123,8 +123,7 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_
         # adds its gradient to dv itself.
         total = unseen.gated_token_sum(v_real, True if flag is None else flag,
                                        kernel=impl == "mosaic")
-        fill = jax.lax.stop_gradient(
-            jnp.repeat(total / s_kv, q.shape[2] // k.shape[2], axis=1))
+        fill = jnp.repeat(total / s_kv, q.shape[2] // k.shape[2], axis=1)
     score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
     out, lse2 = _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values,
                            ints + (flag,))
@@ -231,7 +230,7 @@ def _bwd(fn, scale, score, impl, mean_over, res, cts):
         # An unseen row's output is the mean of v: its cotangent reaches every key's dv
         # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
         # A masked sum over the sequence reads dO once (as an einsum, XLA transposed dO
-        # for a matmul first).
+        # for a matmul first), where the gate is open.
         dv_add = unseen.gated_token_sum(do, True if flag is None else flag, lse2,
                                         kernel=impl == "mosaic") / mean_over
     kernels = kernel_bwd if impl == "mosaic" else reference

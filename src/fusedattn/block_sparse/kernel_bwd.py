@@ -25,9 +25,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .kernel_diagonal import Diagonal, diagonal_scratch, diagonal_words
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
-                           col_vector, cols_of, copy_side, counts, dense_tile, load_words, logits,
-                           matmul_acc, matmul_acc2, matmul_t2, rendezvous, row_vector, rows_of,
-                           smem_tiled, tile_fns, value_scratch)
+                           col_vector, cols_of, copy_partial, copy_side, counts, dense_tile,
+                           load_words, logits, matmul_acc, matmul_acc2, matmul_t2, rendezvous,
+                           row_vector, rows_of, smem_tiled, tile_fns, value_scratch)
 
 HALF = BLOCK // 2
 
@@ -143,8 +143,6 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 j, partial = walk.entry(s_i // per)
                 k0 = j * BLOCK + lax.rem(s_i, per) * width
                 plgpu.barrier_wait(k_ready.at[slot])
-                if n_ka:
-                    plgpu.barrier_wait(ka_ready.at[slot])
                 if n_skv:
                     plgpu.barrier_wait(skv_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -154,7 +152,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 diag_at = diag and (diag, diag.span(q0, k0, shape, 0))
                 q_pos, kv_pos, visible, values = tile_fns(
                     kmask, shape, 0, b, h, q0, k0, slot, "q", (q_vals, ka_smem),
-                    (q_words, skv_smem, diag_at), words, interpret)
+                    (q_words, skv_smem, diag_at), words, interpret,
+                    ka_ready.at[slot] if n_ka else None)
 
                 s, pull = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                  values=values, partial=partial, visible=visible,
@@ -200,8 +199,9 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                     load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
                                lambda w: (pl.ds(k0 // WORD, width // WORD),
                                           pl.ds(t * BLOCK + w * ROWS, ROWS)))
-                copy_side(b, h, keys, n_ka and (ka_ref, ka_smem.at[slot], ka_ready.at[slot]),
-                          n_skv and (skv_ref, skv_smem.at[slot], skv_ready.at[slot]))
+                copy_partial(partial, b, h, keys,
+                             n_ka and (ka_ref, ka_smem.at[slot], ka_ready.at[slot]))
+                copy_side(b, h, keys, n_skv and (skv_ref, skv_smem.at[slot], skv_ready.at[slot]))
                 plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], v_smem.at[slot], v_ready.at[slot])
             lax.fori_loop(0, steps, issue, None)
             lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
@@ -314,8 +314,6 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 q0 = j * BLOCK + lax.rem(s_i, 2) * HALF
                 plgpu.barrier_wait(q_ready.at[slot])
                 plgpu.barrier_wait(ld_ready.at[slot])
-                if n_qa:
-                    plgpu.barrier_wait(qa_ready.at[slot])
                 if n_sq:
                     plgpu.barrier_wait(sq_ready.at[slot])
                 plgpu.barrier_wait(do_ready.at[slot])
@@ -326,7 +324,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 diag_at = diag and (diag, diag.span(q0, k0, shape, 1))
                 q_pos, kv_pos, visible, values = tile_fns(
                     kmask, shape, 1, b, h, q0, k0, slot, "kv", (qa_smem, kv_vals),
-                    (sq_smem, kv_words, diag_at), words, interpret)
+                    (sq_smem, kv_words, diag_at), words, interpret,
+                    qa_ready.at[slot] if n_qa else None)
 
                 st, pull = logits(st, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                   values=values, partial=partial, visible=visible,
@@ -382,8 +381,9 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                                           rows))
                 plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[slot],
                                         ld_ready.at[slot])
-                copy_side(b, h, rows, n_qa and (qa_ref, qa_smem.at[slot], qa_ready.at[slot]),
-                          n_sq and (sq_ref, sq_smem.at[slot], sq_ready.at[slot]))
+                copy_partial(partial, b, h, rows,
+                             n_qa and (qa_ref, qa_smem.at[slot], qa_ready.at[slot]))
+                copy_side(b, h, rows, n_sq and (sq_ref, sq_smem.at[slot], sq_ready.at[slot]))
                 plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
             lax.fori_loop(0, steps, issue, None)
             lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,

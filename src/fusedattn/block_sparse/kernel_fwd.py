@@ -25,9 +25,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .kernel_diagonal import Diagonal, diagonal_scratch, diagonal_words
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
-                           col_vector, cols_of, copy_side, counts, dense_tile, drain, logits,
-                           matmul_acc, matmul_t, load_words, persistent_programs, rendezvous,
-                           row_vector, rows_of, smem_tiled, tile_fns, value_scratch)
+                           col_vector, cols_of, copy_partial, copy_side, counts, dense_tile,
+                           drain, logits, matmul_acc, matmul_t, load_words, persistent_programs,
+                           rendezvous, row_vector, rows_of, smem_tiled, tile_fns, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
@@ -120,8 +120,6 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     slot = lax.rem(base + i, NSTAGE)
                     j, partial = walk.entry(i)
                     plgpu.barrier_wait(k_ready.at[slot])
-                    if n_ka:
-                        plgpu.barrier_wait(ka_ready.at[slot])
                     if n_skv:
                         plgpu.barrier_wait(skv_ready.at[slot])
                     s = matmul_t(qw, k_smem.at[slot], shape, interpret, sched_sync if hw else None)
@@ -132,7 +130,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     diag_at = diag and (diag, diag.span(q0, j * BLOCK, shape, 0))
                     q_pos, kv_pos, visible, values = tile_fns(
                         kmask, shape, 0, b, h, q0, j * BLOCK, slot, "q", (q_vals, ka_smem),
-                        (q_words, skv_smem, diag_at), words, interpret)
+                        (q_words, skv_smem, diag_at), words, interpret,
+                        ka_ready.at[slot] if n_ka else None)
 
                     s, _ = logits(s, scale=scale, score=score, b=b, h=h, q=q_pos, kv=kv_pos,
                                   values=values, partial=partial, visible=visible)
@@ -204,8 +203,9 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                         load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
                                    lambda w: (pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
                                               pl.ds(t * BLOCK + w * ROWS, ROWS)))
-                    copy_side(b, h, rows, n_ka and (ka_ref, ka_smem.at[slot], ka_ready.at[slot]),
-                              n_skv and (skv_ref, skv_smem.at[slot], skv_ready.at[slot]))
+                    copy_partial(partial, b, h, rows,
+                                 n_ka and (ka_ref, ka_smem.at[slot], ka_ready.at[slot]))
+                    copy_side(b, h, rows, n_skv and (skv_ref, skv_smem.at[slot], skv_ready.at[slot]))
                     pl.when(g >= NSTAGE)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                     plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h_kv], v_smem.at[slot],
                                             v_ready.at[slot])

@@ -139,13 +139,15 @@ def value_scratch(kmask, n_qa, n_ka, n_sq, n_skv, q_side, kv_side, dense_words):
 
 
 def tile_fns(kmask, shape, q_axis, b, h, q0, k0, slot, held, mask_vals, score_vals, dense,
-             interpret):
+             interpret, mask_ready=None):
     """(q_pos, kv_pos, visible, values) of one step's score tile, its queries along
     `q_axis`. `mask_vals` / `score_vals` are (q side, kv side): the `held` side's
     ("q" or "kv": the tile's own rows) as register vectors, the streamed side's as its
     SMEM ref ``[stages, n, positions]`` (read at `slot`), or None; `score_vals` then
     (`Diagonal`, its span over this tile) or None. `dense()` gives the dense mask's
-    tile (or `dense` is None). Only what the mask or score reads is built."""
+    tile (or `dense` is None). The streamed mask arrays come for partial blocks only
+    (`copy_partial`): `visible` waits at `mask_ready` for them. Only what the mask or
+    score reads is built."""
     axes = {"q": q_axis, "kv": 1 - q_axis}
 
     def tiles(vals, side):
@@ -162,6 +164,8 @@ def tile_fns(kmask, shape, q_axis, b, h, q0, k0, slot, held, mask_vals, score_va
     kv_pos = lambda: iota(shape, axes["kv"], k0)
 
     def visible():
+        if mask_ready is not None:
+            plgpu.barrier_wait(mask_ready)
         return kmask.fn(b, h, q_pos(), kv_pos(), tiles(mask_vals[0], "q"),
                         tiles(mask_vals[1], "kv"), None if dense is None else dense())
 
@@ -197,6 +201,13 @@ def copy_side(b, h, positions, *copies):
             src, dst, ready = copy
             plgpu.copy_gmem_to_smem(src.at[side_index(src, b, h) + (slice(None), positions)],
                                     dst, ready)
+
+
+def copy_partial(partial, b, h, positions, copy):
+    """`copy_side` of one side's mask arrays, in a partial block only: full blocks skip
+    the mask, so nothing reads them there (`tile_fns` waits for them in `visible`)."""
+    if copy:
+        pl.when(partial)(lambda: copy_side(b, h, positions, copy))
 
 
 def load_words(d_ref, d_smem, ready, at, partial, slot, tile):
