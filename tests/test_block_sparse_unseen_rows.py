@@ -1,8 +1,9 @@
 """jax.nn's rows that see no key on the block-sparse path (`block_sparse.unseen_rows`):
 the gate that says whether any row may see no key (at trace time, or as a device flag)
-against brute force, the gated token sums' XLA form against numpy with the flag on and
-off, and `unseen_rows="mean"` under a device flag of each value against the float64
-oracle. The Mosaic GPU form of the sums: tests/gpu/test_block_sparse_gpu.py."""
+against brute force, the token sums' XLA form (which ignores the flag) against numpy,
+and `unseen_rows="mean"` under a device flag of each value against the float64 oracle.
+The Mosaic GPU form of the sums, zeros where the flag is 0:
+tests/gpu/test_block_sparse_gpu.py."""
 from __future__ import annotations
 
 import jax
@@ -50,7 +51,7 @@ def test_gated_token_sum(s, masked, on):
     if masked:
         lse2 = jnp.where(jax.random.bernoulli(keys[1], 0.2, (B, H, s)), -jnp.inf, 1.0)
         want = np.where(np.isinf(np.asarray(lse2)).transpose(0, 2, 1)[..., None], want, 0)
-    want = want.sum(1) * on
+    want = want.sum(1)
     flag = jnp.asarray([on], jnp.int32)
     got = unseen_rows.gated_token_sum(x, flag, lse2, kernel=False)
     assert got.shape == (B, H, D) and got.dtype == jnp.float32
