@@ -123,7 +123,8 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_
         # adds its gradient to dv itself.
         total = unseen.gated_token_sum(v_real, True if flag is None else flag,
                                        kernel=impl == "mosaic")
-        fill = jnp.repeat(total / s_kv, q.shape[2] // k.shape[2], axis=1)
+        fill = jax.lax.stop_gradient(
+            jnp.repeat(total / s_kv, q.shape[2] // k.shape[2], axis=1))
     score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
     out, lse2 = _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values,
                            ints + (flag,))

@@ -38,17 +38,17 @@ def gate(bm: BlockMap, has_score: bool) -> Gate:
 
 
 def gated_token_sum(x, flag: Gate, lse2=None, *, kernel: bool):
-    """``x [b, s, h, d]`` summed over s in f32, ``[b, h, d]``, a constant to autodiff;
-    with `lse2` ``[b, h, s]`` only the tokens whose row's lse2 is -inf (the rows that saw
-    no key). `kernel`: the Mosaic GPU kernel (a Hopper GPU), zeros without reading x
+    """``x [b, s, h, d]`` summed over s in f32, ``[b, h, d]``; with `lse2` ``[b, h, s]``
+    only the tokens whose row's lse2 is -inf (the rows that saw no key). `kernel`: the
+    Mosaic GPU kernel (a Hopper GPU; a constant to autodiff), zeros without reading x
     where `flag` is 0; else XLA's sum whatever the flag (where it is 0 no row is unseen:
-    nothing reads the mean, and the unseen rows' sum is 0)."""
-    x = lax.stop_gradient(x)
+    nothing reads the mean, and the unseen rows' sum is 0), differentiable as the
+    backward's own derivative needs."""
     if flag is True or not kernel or x.shape[1] % CHUNK or x.shape[3] % 64:
         if lse2 is not None:
             x = jnp.where(jnp.swapaxes(lse2 == -jnp.inf, 1, 2)[..., None], x, 0)
         return token_sum(x)
-    total = _kernel_sum(x, flag, lse2)[:, :, :, 0].sum(1)
+    total = _kernel_sum(lax.stop_gradient(x), flag, lse2)[:, :, :, 0].sum(1)
     # A select, not a product: where the flag is 0 the kernel left its output unwritten.
     return jnp.where(flag[0] != 0, total, 0.0)
 
