@@ -67,6 +67,14 @@ def test_lengths_past_a_block_boundary(family):
     _check(family, 4, 2, 128, jnp.bfloat16, s=300)
 
 
+@pytest.mark.parametrize("family", ["documents", "documents_mask_mod"])
+def test_more_tiles_than_sms(family):
+    """The persistent forward walks several tiles a CTA (b2 h8 s2048: 256 query tiles),
+    carrying its stages' barrier phases from tile to tile, while mask arrays load for
+    partial blocks only (`kernel_parts.copy_partial`)."""
+    _check(family, 8, 4, 128, jnp.bfloat16, s=2048)
+
+
 @pytest.mark.parametrize("s", [S, 300])
 def test_unseen_rows_take_the_mean_of_the_values(s):
     """unseen_rows="mean": the forward kernel writes the mean of v to rows that see no
