@@ -23,8 +23,9 @@ STEPS = 10
 
 
 def launches(fn, args):
-    """[(kernel name, µs)] of one step, in launch order (the mean over STEPS steps), and
-    the mean µs a step's span (first start to last end) leaves the GPU idle."""
+    """([(kernel name, µs)] of one step in launch order, the µs a step's span (first
+    start to last end) leaves the GPU idle, the µs from one step's end to the next's
+    start), means over STEPS steps."""
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
@@ -50,9 +51,9 @@ def main(names):
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(x, (bench.B, bench.S, bench.H, bench.D), jnp.bfloat16)
                    for x in keys)
-    ids_np = bench._doc_ids()
-    extras = {"documents": jnp.asarray(ids_np),
-              "documents_dense_mask": jnp.asarray((ids_np[:, :, None] == ids_np[:, None, :])[:, None])}
+    ids = bench._doc_ids()
+    extras = {"documents": jnp.asarray(ids),
+              "documents_dense_mask": jnp.asarray((ids[:, :, None] == ids[:, None, :])[:, None])}
     fns = dict(bench.cases(), causal=bench.plain_causal()[0])
     calls = {}
     for name in names:
