@@ -121,8 +121,7 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_
         # The mean of v an unseen row gives, from v before its padding (a sum of the
         # padded v fused with its pad ran slower). A constant to the vjp: the backward
         # adds its gradient to dv itself.
-        total = unseen.gated_token_sum(v_real, True if flag is None else flag,
-                                       kernel=impl == "mosaic")
+        total = unseen.gated_token_sum(v_real, flag, kernel=impl == "mosaic")
         fill = jax.lax.stop_gradient(
             jnp.repeat(total / s_kv, q.shape[2] // k.shape[2], axis=1))
     score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
@@ -232,8 +231,7 @@ def _bwd(fn, scale, score, impl, mean_over, res, cts):
         # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
         # A masked sum over the sequence reads dO once (as an einsum, XLA transposed dO
         # for a matmul first), where the gate is open.
-        dv_add = unseen.gated_token_sum(do, True if flag is None else flag, lse2,
-                                        kernel=impl == "mosaic") / mean_over
+        dv_add = unseen.gated_token_sum(do, flag, lse2, kernel=impl == "mosaic") / mean_over
     kernels = kernel_bwd if impl == "mosaic" else reference
     dq, d_q_values, d_d_values = kernels.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
     dk, dv, d_kv_values = kernels.dkv(q, k, v, do, lse_delta, bwd_lists, km, dv_add=dv_add,

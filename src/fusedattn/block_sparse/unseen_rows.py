@@ -9,7 +9,7 @@ CTAs read the flag and, where it is 0, return without reading their tokens.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ..inputs import token_sum
 from .block_map import BlockMap
+from .terms import is_host
 from .kernel_parts import F32, ROWS, col_vector, cols_of, matmul_acc, smem_tiled
 
 Gate = Union[bool, jax.Array]
@@ -32,19 +33,20 @@ def gate(bm: BlockMap, has_score: bool) -> Gate:
     if has_score:
         return True
     full = bm.full_kv_num_blocks
-    if isinstance(full, np.ndarray):
-        return bool((full == 0).any())
+    if is_host(full):
+        return bool((np.asarray(full) == 0).any())
     return jnp.any(full == 0).astype(jnp.int32).reshape(1)
 
 
-def gated_token_sum(x, flag: Gate, lse2=None, *, kernel: bool):
+def gated_token_sum(x, flag: Optional[jax.Array], lse2=None, *, kernel: bool):
     """``x [b, s, h, d]`` summed over s in f32, ``[b, h, d]``; with `lse2` ``[b, h, s]``
-    only the tokens whose row's lse2 is -inf (the rows that saw no key). `kernel`: the
-    Mosaic GPU kernel (a Hopper GPU; a constant to autodiff), zeros without reading x
-    where `flag` is 0; else XLA's sum whatever the flag (where it is 0 no row is unseen:
-    nothing reads the mean, and the unseen rows' sum is 0), differentiable as the
-    backward's own derivative needs."""
-    if flag is True or not kernel or x.shape[1] % CHUNK or x.shape[3] % 64:
+    only the tokens whose row's lse2 is -inf (the rows that saw no key). `flag`: the
+    device flag of `gate`, or None (always sum). `kernel`: the Mosaic GPU kernel (a
+    Hopper GPU; a constant to autodiff), zeros without reading x where `flag` is 0;
+    else XLA's sum whatever the flag (where it is 0 no row is unseen: nothing reads the
+    mean, and the unseen rows' sum is 0), differentiable as the backward's own
+    derivative needs."""
+    if flag is None or not kernel or x.shape[1] % CHUNK or x.shape[3] % 64:
         if lse2 is not None:
             x = jnp.where(jnp.swapaxes(lse2 == -jnp.inf, 1, 2)[..., None], x, 0)
         return token_sum(x)
