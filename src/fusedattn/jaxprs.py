@@ -18,6 +18,9 @@ from jax.extend.core import Literal
 
 _INLINE = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
                      "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "remat2", "checkpoint"})
+# Primitives that change only a value's shape, never its elements.
+SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
+                        "copy_p"})
 
 
 class Eqn(NamedTuple):

@@ -15,8 +15,9 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from .dependence import Reads, specs_of
-from .hoisting import SHAPE_ONLY, Hoisted, Unsupported, hoist
+from .hoisting import Hoisted, Unsupported, hoist
 from .terms import ElementMask, MaskMod, Segments
+from ..jaxprs import SHAPE_ONLY
 
 
 class Documents(NamedTuple):

@@ -31,7 +31,8 @@ from jax.extend.core import Literal
 
 from .dependence import index_specs
 from .diagonal import MAX_RUNS, Runs
-from ..jaxprs import Eqn, flatten, name_of as _name, value_of
+from .tile_ops import flat_values, from_tile, is_float, on_tiles, stack_words, widened, word
+from ..jaxprs import SHAPE_ONLY, Eqn, flatten, name_of as _name, value_of
 
 
 class Unsupported(ValueError):
@@ -56,8 +57,6 @@ class Kind(NamedTuple):
 MASK = Kind("mask_mod", (_B, _H, _Q, _KV), heads=False, floats=False)
 SCORE = Kind("score_mod", (_S, _B, _H, _Q, _KV), heads=True, floats=True)
 
-SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy",
-                        "copy_p"})
 _ELEMENTWISE = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "add", "sub", "mul", "div",
     "rem", "neg", "abs", "sign", "max", "min", "select_n", "clamp", "convert_element_type",
@@ -70,7 +69,6 @@ _DEVICE_POINTWISE = frozenset({"log1p", "expm1", "sin", "cos", "tan", "asin", "a
                                "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc",
                                "erf_inv", "cbrt", "lgamma", "digamma", "nextafter"})
 _READS = frozenset({"gather", "dynamic_slice"})  # what jnp indexing becomes
-_SAME_SHAPES = frozenset({"select_n", "clamp"})  # (lax broadcasts only scalars here)
 
 _REASONS = {
     "head": "it reads an array at an index that depends on the head index h (hoisted "
@@ -102,9 +100,9 @@ class Hoisted:
         self.s_q, self.s_kv = s_q, s_kv
         self.n_rows, self.n_cols = len(rows), len(cols)  # how many values of each side
         # which values are floating point (a score_mod's differentiable ones), per side
-        self.floats = (tuple(_is_float(v.aval.dtype) for v in rows),
-                       tuple(_is_float(v.aval.dtype) for v in cols))
-        self.d_floats = tuple(_is_float(v.aval.dtype) for v in diags)
+        self.floats = (tuple(is_float(v.aval.dtype) for v in rows),
+                       tuple(is_float(v.aval.dtype) for v in cols))
+        self.d_floats = tuple(is_float(v.aval.dtype) for v in diags)
         # whether a value varies along the rows or columns (not only with b and h)
         self.by_position = bool(diags) or \
             any(v.aval.shape[2:3] not in ((), (1,)) for v in rows) or \
@@ -126,9 +124,9 @@ class Hoisted:
         arguments: int32 ``[B|1, s]`` for a mask_mod, float32 words ``[B|1, H|1, s]``
         for a score_mod (differentiable in the float args)."""
         env = _evaluate(self.kind, self._inputs, self._consts, self._device, args)
-        flat = _word if self.kind.floats else lambda x: x[:, 0].astype(jnp.int32)
-        return ([flat(_flat(env[v], self.s_q, 2)) for v in self._rows],
-                [flat(_flat(env[v], self.s_kv, 3)) for v in self._cols])
+        flat = word if self.kind.floats else lambda x: x[:, 0].astype(jnp.int32)
+        return ([flat(flat_values(env[v], self.s_q, 2)) for v in self._rows],
+                [flat(flat_values(env[v], self.s_kv, 3)) for v in self._cols])
 
     def diagonal(self, args: Sequence):
         """The values read by ``q_idx - kv_idx``, one per run (`runs`): float32 words
@@ -138,7 +136,7 @@ class Hoisted:
         (inputs, consts, device, diags, positions), runs = self._diagonal
         env = _evaluate(self.kind, inputs, consts, device, args, positions)
         diagonals = runs.run_of.shape[0]
-        return stack_words([_word(_flat(env[v], diagonals, 2))[..., runs.starts]
+        return stack_words([word(flat_values(env[v], diagonals, 2))[..., runs.starts]
                             for v in diags])
 
     def __call__(self, *index_rows_cols, diags=()):
@@ -152,7 +150,7 @@ class Hoisted:
         env.update(zip(self._inputs[:len(index)], index))
         for v, x in zip(self._rows + self._cols + self._diags,
                         list(rows) + list(cols) + list(diags)):
-            env[v] = _from_tile(x, v.aval.dtype, self.kind.floats)
+            env[v] = from_tile(x, v.aval.dtype, self.kind.floats)
         out = _on_tiles_all(self._kernel, env, self._out)
         shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in index[-2:]))
         if self.kind.floats:
@@ -190,15 +188,15 @@ class Hoisted:
         return self._inputs[n - 2:n]
 
     def _scalars(self):
-        return {v: _wide(c.reshape(())) for v, c in self._consts.items() if np.size(c) == 1}
+        return {v: widened(c.reshape(())) for v, c in self._consts.items() if np.size(c) == 1}
 
 
 def _on_tiles_all(eqns, env, out):
     """`out` after running `eqns` on tiles over `env` (which it extends)."""
     for e in eqns:
         if e.outs[0] not in env:
-            env[e.outs[0]] = _on_tiles(e, [_read(env, v, wide=True) for v in e.ins])
-    return _read(env, out, wide=True)
+            env[e.outs[0]] = on_tiles(e, [_read(env, v, tile=True) for v in e.ins])
+    return _read(env, out, tile=True)
 
 
 def hoist(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int, s_kv: int,
@@ -401,42 +399,9 @@ def _evaluate(kind, inputs, consts, device, args, positions=None):
     return env
 
 
-def _read(env, v, wide=False):
+def _read(env, v, tile=False):
     x = value_of(env, v)
-    return _wide(x) if wide and isinstance(v, Literal) else x
-
-
-def _on_tiles(e: Eqn, ins):
-    """One equation on tiles (8-bit integers held as int32: see `_narrow`)."""
-    name, dt, params = e.prim.name, e.outs[0].aval.dtype, e.params
-    if name in SHAPE_ONLY:
-        return ins[0]
-    if name == "convert_element_type" and _narrow(dt):
-        params = dict(params, new_dtype=np.dtype(np.int32))
-        if _is_float(e.ins[0].aval.dtype):  # XLA saturates a float -> int cast
-            info = np.iinfo(dt)
-            ins = [jnp.clip(ins[0], float(info.min), float(info.max))]
-    if name in ("shift_right_logical", "population_count"):  # of the 8-bit pattern
-        ins = [x & 255 if _narrow(v.aval.dtype) else x for x, v in zip(ins, e.ins)]
-    x = e.prim.bind(*_aligned(name, ins), **params)
-    return _wrap(x, dt) if _narrow(dt) else x
-
-
-def _narrow(dtype) -> bool:
-    """8-bit integers: the kernels do no arithmetic on them, so tiles hold them as int32
-    (sign- or zero-extended) and each result is wrapped back into range."""
-    return np.dtype(dtype).itemsize == 1 and np.issubdtype(dtype, np.integer)
-
-
-def _wide(x):
-    return x.astype(np.int32) if _narrow(x.dtype) else x
-
-
-def _wrap(x, dtype):
-    """An int32 result of 8-bit arithmetic, reduced to the 8-bit value (extended again)."""
-    if np.issubdtype(dtype, np.signedinteger):
-        return jax.lax.shift_right_arithmetic(jax.lax.shift_left(x, np.int32(24)), np.int32(24))
-    return x & np.int32(255)
+    return widened(x) if tile and isinstance(v, Literal) else x
 
 
 def _in_kernel(e: Eqn) -> bool:
@@ -483,13 +448,9 @@ def _problem(kind, v, d, batch, heads, s_q, s_kv) -> Optional[str]:
         return "head"
     dt = np.dtype(v.aval.dtype)
     if not (dt == np.bool_ or (np.issubdtype(dt, np.integer) and dt.itemsize <= 4)
-            or (kind.floats and _is_float(dt) and dt.itemsize <= 4)):
+            or (kind.floats and is_float(dt) and dt.itemsize <= 4)):
         return "dtype"
     return "shape" if _side(kind, v, d, batch, heads, s_q, s_kv) is None else None
-
-
-def _is_float(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)  # (bfloat16 too, unlike NumPy's)
 
 
 def _keeps_layout(e: Eqn, dims) -> bool:
@@ -502,47 +463,3 @@ def _keeps_layout(e: Eqn, dims) -> bool:
     return (e.prim.name not in SHAPE_ONLY or len(src) == 0 or src == dst
             or int(np.prod(src)) == 1 or e.prim.name == "broadcast_in_dim"
             and tuple(e.params["broadcast_dimensions"]) == (0, 1, 2, 3))
-
-
-def _aligned(name, xs):
-    """Operands broadcast where the primitive needs it (lax takes scalars mixed in)."""
-    shapes = [jnp.shape(x) for x in xs]
-    if len(set(shapes)) <= 1:
-        return xs
-    target = jnp.broadcast_shapes(*shapes)
-    return [x if jnp.shape(x) == target or (not jnp.shape(x) and name not in _SAME_SHAPES)
-            else jnp.broadcast_to(x, target) for x in xs]
-
-
-def _flat(x, n, axis):
-    """A frontier value ``[B|1, H|1, n|1, 1]`` (axis 2) or ``[B|1, H|1, 1, n|1]`` (or a
-    scalar) as ``[B|1, H|1, n]`` in its own dtype."""
-    x = jnp.reshape(x, (1, 1, 1, 1)) if jnp.ndim(x) == 0 else x
-    shape = x.shape[:2] + ((n, 1) if axis == 2 else (1, n))
-    return jnp.broadcast_to(x, shape).reshape(x.shape[:2] + (n,))
-
-
-def stack_words(values):
-    """A score_mod's value words, each ``[B|1, H|1, n]``, as float32 ``[B|1, H|1, count,
-    n]`` (batch and heads broadcast to the largest), or None without values."""
-    if not values:
-        return None
-    lead = tuple(max(v.shape[a] for v in values) for a in (0, 1))
-    return jnp.stack([jnp.broadcast_to(v, lead + v.shape[2:]) for v in values], axis=2)
-
-
-def _word(x):
-    """A score_mod value as a float32 word: floats converted, integers bit-cast."""
-    if _is_float(x.dtype):
-        return x.astype(jnp.float32)
-    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
-
-
-def _from_tile(x, dtype, words: bool):
-    """A value's tile as the function sees it: from an int32 tile (a mask_mod's) or a
-    float32 word tile (a score_mod's); 8-bit integers stay int32 (see `_narrow`)."""
-    if words and not _is_float(dtype):
-        x = jax.lax.bitcast_convert_type(x, jnp.int32)
-    if dtype == np.bool_:
-        return x != 0
-    return x if x.dtype == dtype or _narrow(dtype) else x.astype(dtype)

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 
 from .dependence import mask_mod_reads, specs_of
 from .diagonal import Runs
-from .hoisting import SCORE, hoist, stack_words
+from .hoisting import SCORE, hoist
+from .tile_ops import stack_words
 from ..jaxprs import plain
 
 F32 = jnp.float32

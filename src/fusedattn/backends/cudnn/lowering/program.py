@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
 
-from ....jaxprs import Eqn
+from ....jaxprs import SHAPE_ONLY, Eqn
 from .derivative import FUSED_BWD
 
 _UNARY = {"neg": "neg", "abs": "abs", "exp": "exp", "log": "log", "tanh": "tanh",
@@ -31,7 +31,6 @@ _ELEMENTWISE = set(_UNARY) | set(_BINARY) | set(_LOGICAL) | {
 # What cuDNN computes in int32 here (its division and remainder keep fp32: their
 # rounding is what the lowering spells out).
 _INT_OPS = ("add", "sub", "mul", "max", "min", "neg", "abs")
-_SHAPE_ONLY = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "copy", "copy_p")
 
 
 class Unsupported(ValueError):
@@ -188,7 +187,7 @@ class Program:
                 self.value[var] = self._dynamic(eqn, eqn.prim.name)
                 if eqn.prim.name in _LOGICAL or eqn.prim.name in _COMPARE:
                     self.bool_expr[var] = (eqn.prim.name, tuple(eqn.ins))
-                elif eqn.prim.name in _SHAPE_ONLY and eqn.ins[0] in self.bool_expr:
+                elif eqn.prim.name in SHAPE_ONLY and eqn.ins[0] in self.bool_expr:
                     self.bool_expr[var] = self.bool_expr[eqn.ins[0]]  # a broadcast of it
             else:
                 self._static(eqn)
@@ -245,7 +244,7 @@ class Program:
         out = eqn.outs[0]
         a = lambda i: self.operand(ins[i])  # noqa: E731
         integer = jnp.issubdtype(out.aval.dtype, jnp.integer)
-        if name in _SHAPE_ONLY:
+        if name in SHAPE_ONLY:
             return a(0)
         if name in _UNARY:
             return self.emit_arith(_UNARY[name], integer, a(0))
