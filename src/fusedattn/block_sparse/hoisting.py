@@ -6,9 +6,9 @@ each array per row (b, q_idx) or per column (b, kv_idx), and a score_mod such as
 `hoist` follows each value's dependence on the score, b, h, q, kv and the arrays
 through the jaxpr (traced with `dependence.index_specs`' shapes) and splits it
 there: the values at the split are computed on the device (`Hoisted.values`) and
-the rest, elementwise, runs on tiles (`Hoisted.__call__`). No hoisted value varies
-along both q and kv (those of q - kv are taken once per run of diagonals), so no
-``s_q x s_kv`` array forms.
+the rest, elementwise, runs on tiles (`Hoisted.__call__`, each equation by
+`tile_ops`). No hoisted value varies along both q and kv (those of q - kv are taken
+once per run of diagonals), so no ``s_q x s_kv`` array forms.
 
 * A mask_mod's values (`MASK`) are integers per (b, row) or (b, column), read by the
   kernels like segment ids: int32 ``[B|1, s]``.

@@ -1,5 +1,5 @@
-"""Hoisted programs on tiles: how `hoisting`'s in-kernel equations evaluate on a kernel's
-tiles, and the 32-bit words a score_mod's hoisted values travel in.
+"""Hoisted equations on tiles: how each of `hoisting`'s in-kernel equations evaluates on
+a kernel's tiles, and the 32-bit words a score_mod's hoisted values travel in.
 
 Tiles hold 8-bit integers as int32 (the kernels do no 8-bit arithmetic), each result
 wrapped back into range; a mask_mod's values are int32 tiles, a score_mod's float32
@@ -17,7 +17,8 @@ _SAME_SHAPES = frozenset({"select_n", "clamp"})  # (lax broadcasts only scalars 
 
 
 def is_float(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)  # (bfloat16 too, unlike NumPy's)
+    """Whether `dtype` is a float (bfloat16 too, unlike NumPy's test)."""
+    return jnp.issubdtype(dtype, jnp.floating)
 
 
 def _narrow(dtype) -> bool:
