@@ -90,7 +90,8 @@ def token_sum(x: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(parts).sum(1)
 
 
-def value_mean(v: jax.Array, h_q: int) -> jax.Array:
+def value_mean(v: jax.Array, h_q: int, sum_tokens=token_sum) -> jax.Array:
     """The mean of v ``[b, s, h_kv, d]`` over its tokens per query head, ``[b, h_q, d]``
-    fp32: what jax.nn gives a row that sees no key."""
-    return jnp.repeat(token_sum(v) / v.shape[1], h_q // v.shape[2], axis=1)
+    fp32: what jax.nn gives a row that sees no key. `sum_tokens` sums ``[b, s, ...]``
+    over s in fp32 (the block-sparse path's sums skip their work where no row is unseen)."""
+    return jnp.repeat(sum_tokens(v) / v.shape[1], h_q // v.shape[2], axis=1)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..inputs import value_mean
 from . import kernel_bwd, kernel_fwd, reference, unseen_rows as unseen
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
@@ -121,9 +122,9 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_
         # The mean of v an unseen row gives, from v before its padding (a sum of the
         # padded v fused with its pad ran slower). A constant to the vjp: the backward
         # adds its gradient to dv itself.
-        total = unseen.gated_token_sum(v_real, flag, kernel=impl == "mosaic")
-        fill = jax.lax.stop_gradient(
-            jnp.repeat(total / s_kv, q.shape[2] // k.shape[2], axis=1))
+        fill = jax.lax.stop_gradient(value_mean(
+            v_real, q.shape[2],
+            lambda x: unseen.gated_token_sum(x, flag, kernel=impl == "mosaic")))
     score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
     out, lse2 = _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values,
                            ints + (flag,))
