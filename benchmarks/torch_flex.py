@@ -45,9 +45,14 @@ print("RESULT" + json.dumps(out))
 '''
 
 
+def setup(b: int, s: int, h: int, d: int) -> str:
+    """The child's imports and its tensors ``q, k, v, do`` ([B, H, S, D] bf16)."""
+    return _SETUP % (b, s, h, d)
+
+
 def source(b: int, s: int, h: int, d: int, cases: str) -> str:
     """The child's whole program around the `cases` source."""
-    return _SETUP % (b, s, h, d) + cases + _TIMING
+    return setup(b, s, h, d) + cases + _TIMING
 
 
 def times(b: int, s: int, h: int, d: int, cases: str) -> dict:

@@ -60,9 +60,8 @@ def chunks(step, sync, n):
 
 
 def torch_chunks(n):
-    src = torch_flex.source(bench.B, bench.S, bench.H, bench.D, "")
-    src = src[:src.index("fa = torch.compile")]   # the setup alone: q, k, v, do
-    src += _TORCH % (bench._doc_ids().tolist(), n, PER_CHUNK)
+    src = torch_flex.setup(bench.B, bench.S, bench.H, bench.D) + _TORCH % (
+        bench._doc_ids().tolist(), n, PER_CHUNK)
     proc = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True,
                           timeout=600)
     for line in proc.stdout.splitlines():
