@@ -2,8 +2,8 @@
 (fwd+bwd, b4 s4096 h16 d128 bf16), from a `jax.profiler` trace, in launch order with
 their time per step, beside the step's own time. Mosaic GPU kernels all share one name,
 so the launch order tells the forward from dq and dk / dv.
-`python -m benchmarks.tune.step_profile [row ...]` (default: documents, the dense
-document mask and plain causal)."""
+`python -m benchmarks.tune.step_profile [--fwd] [row ...]` (default: documents, the
+dense document mask and plain causal; ``--fwd``: the forward alone)."""
 from __future__ import annotations
 
 import glob
@@ -47,7 +47,7 @@ def launches(fn, args):
             for i in range(per)], idle / 1e3, between / 1e3
 
 
-def main(names):
+def main(names, mode="fwd+bwd"):
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(x, (bench.B, bench.S, bench.H, bench.D), jnp.bfloat16)
                    for x in keys)
@@ -57,9 +57,9 @@ def main(names):
     fns = dict(bench.cases(), causal=bench.plain_causal()[0])
     calls = {}
     for name in names:
-        fn, args = bench._step(fns[name], "fwd+bwd", q, k, v, do, extras.get(name))
+        fn, args = bench._step(fns[name], mode, q, k, v, do, extras.get(name))
         total = 0.0
-        print(f"{name}:", flush=True)
+        print(f"{name} ({mode}):", flush=True)
         kernels, idle, between = launches(fn, args)
         for kernel, us in kernels:
             total += us
@@ -90,4 +90,7 @@ def main(names):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["documents", "documents_dense_mask", "causal"])
+    argv = sys.argv[1:]
+    mode = "fwd" if "--fwd" in argv else "fwd+bwd"
+    main([a for a in argv if a != "--fwd"] or ["documents", "documents_dense_mask", "causal"],
+         mode)

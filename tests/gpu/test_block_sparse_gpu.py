@@ -11,8 +11,6 @@ import pytest
 from support.block_sparse_cases import (FAMILIES, SCORE_VALUE_MODS, block_map, dense_visibility,
                                         doc_ids, oracle, rel_error, score_value_args)
 from fusedattn import block_sparse as bs
-from fusedattn.backends import extension
-from fusedattn.block_sparse.kernel_mask import NATIVE_BITS
 from fusedattn.block_sparse.attention import (block_sparse_attention,
                                               block_sparse_attention_with_lse,
                                               choose_implementation)
@@ -282,12 +280,8 @@ def test_dispatch_runs_maps_built_on_the_device(route):
         plan = fusedattn.flax.explain(q, k, v, mask=causal)
         visible = np.asarray(causal)
     assert getattr(plan, "chosen", None) == "block_sparse", str(plan)
-    packed = lambda: extension.handler_counts("cuda").get(NATIVE_BITS, (0, 0))[0]  # noqa: E731
-    before = packed()
     out, vjp = jax.jit(lambda q, k, v: jax.vjp(call, q, k, v))(q, k, v)
     grads = vjp(do)
-    if route.startswith("jax.nn"):   # the dense mask packed by the extension's kernel
-        assert packed() > before, route
     visible = np.broadcast_to(visible, (B, h, s, s))
     ref_out, _, ref_grads = oracle(q, k, v, visible, 128 ** -0.5, None, do)
     assert rel_error(out, ref_out) < 2e-2, route

@@ -169,9 +169,7 @@ def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
         terms.append(Dense(inputs.dense_mask))
     terms.append(builtin.intervals(config.s_q, config.s_kv, config.mask, config.window,
                                    inputs.sequence if config.is_padded else None))
-    # (one device's arrays here: native_op partitions the call around this)
-    return from_element(ElementMask(terms, config.s_q, config.s_kv), (BLOCK, BLOCK),
-                        native_bits=True)
+    return from_element(ElementMask(terms, config.s_q, config.s_kv), (BLOCK, BLOCK))
 
 
 class BlockSparseBackend(native_op.NativeBackend):

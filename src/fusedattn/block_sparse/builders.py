@@ -111,17 +111,14 @@ def intersect(*maps: BlockMap) -> BlockMap:
     return from_element(ElementMask(terms, first.s_q, first.s_kv), first.block)
 
 
-def from_element(element: ElementMask, block: Tuple[int, int], cache_key=None,
-                 native_bits: bool = False) -> BlockMap:
+def from_element(element: ElementMask, block: Tuple[int, int], cache_key=None) -> BlockMap:
     """Classify `element` (its interval terms merged into one) and list its blocks.
     A static map's kinds are kept under `cache_key` (hashable, or None), so a map
-    rebuilt every step (or every trace) costs its host work once. `native_bits`: a
-    dense mask is packed by the extension's kernel where it can be (`pack_bits`), for
-    callers that build the map from one device's arrays."""
+    rebuilt every step (or every trace) costs its host work once."""
     element = _merge_intervals(element)
     if on_host(element):
         return BlockMap.from_kind(_host_kind(element, block, cache_key), element, block)
-    return _on_device(element, block, native_bits)
+    return _on_device(element, block)
 
 
 _HOST_KINDS: dict = {}
@@ -143,7 +140,7 @@ def _host_kind(element: ElementMask, block, key):
     return kind
 
 
-def _on_device(element: ElementMask, block: Tuple[int, int], native_bits: bool) -> BlockMap:
+def _on_device(element: ElementMask, block: Tuple[int, int]) -> BlockMap:
     # One compiled program per mask: eager op-by-op dispatch would compile each op. The
     # element's host arrays (the built-in masks' intervals, say) stay constants of that
     # program, so its classifier still sees them as known at trace time.
@@ -151,18 +148,17 @@ def _on_device(element: ElementMask, block: Tuple[int, int], native_bits: bool) 
     leaves, tree = jax.tree_util.tree_flatten(element)
     keep = [is_host(x) and np.size(x) <= _MAX_CONSTANT for x in leaves]
     host = _HostLeaves(tuple(x if k else None for x, k in zip(leaves, keep)))
-    return _device_map(tuple(None if k else x for x, k in zip(leaves, keep)), tree, host, block,
-                       native_bits)
+    return _device_map(tuple(None if k else x for x, k in zip(leaves, keep)), tree, host, block)
 
 
 _MAX_CONSTANT = 1 << 20   # elements of a host array kept as a constant of a device map
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
-def _device_map(traced, tree, host, block, native_bits):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _device_map(traced, tree, host, block):
     element = jax.tree_util.tree_unflatten(
         tree, [t if h is None else h for t, h in zip(traced, host.leaves)])
-    element = with_bits(element, native_bits)
+    element = with_bits(element)
     return BlockMap.from_kind(classify(element, block, host=False), element, block)
 
 

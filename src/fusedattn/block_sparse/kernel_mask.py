@@ -15,11 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..backends import extension
 from .dependence import specs_of
 from .hoisting import Unsupported, hoist  # (Unsupported: this module's error too)
 from .kernel_parts import WORD, whole
-from .terms import Dense, ElementMask, Intervals, MaskMod, Segments, is_host, row_at
+from .terms import Dense, ElementMask, Intervals, MaskMod, Segments, row_at
 
 
 class KernelMask(NamedTuple):
@@ -29,20 +28,9 @@ class KernelMask(NamedTuple):
     fn: Callable                      # (b, h, q, kv, q_vals, kv_vals, dense) -> bool
 
 
-NATIVE_BITS = "fusedattn_mask_bits"   # the CUDA extension's packer (csrc/cuda/mask_bits.cu)
-
-
-def pack_bits(mask, s_q_whole: int, s_kv_whole: int, native: bool = False):
+def pack_bits(mask, s_q_whole: int, s_kv_whole: int):
     """A boolean mask ``[B|1, H|1, s_q, s_kv]`` as int32 words ``[B|1, H|1, s_kv_whole
-    / 32, s_q_whole]`` (padding not visible; the layout: `kernel_parts.WORD`).
-
-    `native`: by the CUDA extension's kernel where it is loaded and ``s_kv`` is a
-    multiple of 16 (the same words, one pass over the mask instead of XLA's two).
-    Only for one device's arrays: XLA cannot partition the kernel's call."""
-    if native and _native_bits(mask):
-        return jax.ffi.ffi_call(NATIVE_BITS, jax.ShapeDtypeStruct(
-            (*mask.shape[:2], s_kv_whole // WORD, s_q_whole), jnp.int32),
-            vmap_method="sequential")(mask)
+    / 32, s_q_whole]`` (padding not visible; the layout: `kernel_parts.WORD`)."""
     B, H, s_q, s_kv = mask.shape
     m = jnp.pad(jnp.asarray(mask, bool),
                 ((0, 0), (0, 0), (0, s_q_whole - s_q), (0, s_kv_whole - s_kv)))
@@ -55,18 +43,11 @@ def pack_bits(mask, s_q_whole: int, s_kv_whole: int, native: bool = False):
     return jnp.swapaxes(words, -1, -2)
 
 
-def _native_bits(mask) -> bool:
-    return (not is_host(mask) and mask.dtype == np.bool_ and mask.ndim == 4
-            and mask.shape[3] % 16 == 0
-            and extension.ensure_targets([NATIVE_BITS], "cuda") is None)
-
-
-def with_bits(element: ElementMask, native: bool = False) -> ElementMask:
-    """`element` with its dense mask terms packed once (`pack_bits`, `native` as there):
-    a device map reduces the words (`kinds_of_bits`) and the kernels read the same
-    words, so the ``s_q x s_kv`` mask is read once per step, not once for the map and
-    once to pack."""
-    terms = [Dense(t.mask, pack_bits(t.mask, whole(element.s_q), whole(element.s_kv), native))
+def with_bits(element: ElementMask) -> ElementMask:
+    """`element` with its dense mask terms packed once: a device map reduces the
+    words (`kinds_of_bits`) and the kernels read the same words, so the ``s_q x
+    s_kv`` mask is read once per step, not once for the map and once to pack."""
+    terms = [Dense(t.mask, pack_bits(t.mask, whole(element.s_q), whole(element.s_kv)))
              if isinstance(t, Dense) and t.bits is None else t for t in element.terms]
     return ElementMask(terms, element.s_q, element.s_kv)
 
