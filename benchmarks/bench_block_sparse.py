@@ -23,7 +23,8 @@ jnp.equal)`` does (it runs as a mask_mod over the ids, `tracing.mask_program`).
 "documents" is flex_attention's documents mask_mod, ``ids[b, q] == ids[b, kv]``, through
 `fused_attn` (ids in any order: a block map, its ids counted per block);
 "documents:segment_ids" builds the same map with `block_sparse.from_segment_ids` and
-calls the kernels by name; "documents_causal" is flex's causal documents mask_mod,
+calls the kernels by name; "documents:sbhd" gives the mask_mod sequence-first q, k, v
+and dO (``layout="sbhd"``, transposed to bshd around the kernels); "documents_causal" is flex's causal documents mask_mod,
 ``(ids[b, q] == ids[b, kv]) & (kv <= q)`` (its map counts ids, the diagonal's blocks
 evaluated pair by pair); "documents:packed" declares the same sorted ids as packed
 segments (`SequenceDescriptor`, built in the step), which run on cuDNN's THD or FA3's
@@ -115,6 +116,10 @@ def cases():
     def documents_causal(q, k, v, ids):   # flex's causal documents mask_mod
         return fusedattn.fused_attn(q, k, v, mask_mod=doc_causal_mod, score_mod_args=(ids,))
 
+    def documents_sbhd(q, k, v, ids):   # the same, q, k, v (and dO) sequence-first
+        return fusedattn.fused_attn(q, k, v, mask_mod=doc_mod, score_mod_args=(ids,),
+                                    layout="sbhd")
+
     def documents_ids(q, k, v, ids):   # the same ids through the map builder, by name
         return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None))
 
@@ -150,6 +155,7 @@ def cases():
 
     return {"sliding_window": window, "sliding_window:block_sparse": window_kernels,
             "prefix_lm": prefix, "documents": documents,
+            "documents:sbhd": documents_sbhd,
             "documents:segment_ids": documents_ids, "documents:packed": documents_packed,
             "documents_dense_mask": dense_mask,
             "documents_dense_mask:built_in_step": documents_built_in_step,
@@ -271,6 +277,7 @@ def main():
         torch, notes["torch"] = {}, f"{type(e).__name__}: {str(e)[:300]}"
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(x, (B, S, H, D), jnp.bfloat16) for x in keys)
+    sbhd = tuple(jnp.swapaxes(x, 0, 1) for x in (q, k, v, do))   # (materialized: eager)
     ids = jnp.asarray(_doc_ids())
     ids_np = _doc_ids()
     dense = jnp.asarray((ids_np[:, :, None] == ids_np[:, None, :])[:, None])
@@ -284,7 +291,8 @@ def main():
                       "sliding_window+alibi": route(mask_mod=_window_of_args, score_mod=_alibi,
                                                     score_mod_args=(SLOPES,))}
     rows = []
-    extras = {"documents": ids, "documents:segment_ids": ids, "documents:packed": ids,
+    extras = {"documents": ids, "documents:sbhd": ids, "documents:segment_ids": ids,
+              "documents:packed": ids,
               "documents_dense_mask": dense, "documents_dense_mask:built_in_step": ids,
               "documents_causal": ids,
               "causal_dense_mask": jnp.asarray(np.tril(np.ones((S, S), bool)))[None, None],
@@ -299,8 +307,9 @@ def main():
             row = {"case": name, "mode": mode, "visible": pairs / (B * H * S * S)}
             flops = 4.0 * D * pairs * (3.5 if mode == "fwd+bwd" else 1.0)
             calls = {}
+            tensors = sbhd if name.endswith(":sbhd") else (q, k, v, do)
             for impl, f in impls.items():
-                why = warm_into(calls, impl, *_step(f, mode, q, k, v, do, extras.get(name)))
+                why = warm_into(calls, impl, *_step(f, mode, *tensors, extras.get(name)))
                 if why is not None:
                     notes[f"{impl} {name} {mode}"] = why
             time_row(row, calls, flops)

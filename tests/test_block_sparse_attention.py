@@ -154,3 +154,27 @@ def test_dense_mask_bits_round_trip(shape):
         w = [x[None, :] for x in words[0, 0, k0 // WORD:k0 // WORD + 2, q0:q0 + 64]]
         got = np.asarray(unpack_bits(w, np.arange(64)[:, None]))
         np.testing.assert_array_equal(got, padded[0, 0, q0:q0 + 64, k0:k0 + 64].T)
+
+
+@pytest.mark.parametrize("s, unseen_rows", [(256, "zero"), (300, "mean")])
+def test_sequence_first_layout_gives_the_bshd_results(s, unseen_rows):
+    """``layout="sbhd"`` reads [s, b, h, d] arrays (the kernels in place): output, lse
+    and gradients are the bshd call's, transposed; lengths past a block pad axis 0."""
+    keys = jax.random.split(jax.random.key(4), 4)
+    q, k, v, do = (jax.random.normal(kk, (B, s, hh, D)) for kk, hh in
+                   zip(keys, (H, H_KV, H_KV, H)))
+    bm = block_map("random_dense", B, H, s)
+    sw = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731
+
+    def run(layout, to):
+        def f(q, k, v):
+            out, lse = block_sparse_attention_with_lse(
+                *(to(x) for x in (q, k, v)), bm, implementation="reference",
+                unseen_rows=unseen_rows, layout=layout)
+            return to(out), lse
+        (out, lse), vjp = jax.vjp(f, q, k, v)
+        return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+    for got, want in zip(run("sbhd", sw), run("bshd", lambda x: x)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        block_sparse_attention(q, k, v, bm, implementation="reference", layout="bhsd")

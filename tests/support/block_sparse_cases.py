@@ -24,6 +24,19 @@ def doc_ids(b, s, lengths):
     return perm[ids].astype(np.int32) + 1
 
 
+def in_layout(layout: str, q, k, v):
+    """bshd q, k, v as `fused_attn` takes them in `layout` ("sbhd", "bs3hd",
+    "bshd_bs2hd", "sbhd_sb2hd", ...), and the function that takes its output back to
+    bshd (differentiable: gradients reach the bshd arrays)."""
+    to = (lambda x: jnp.swapaxes(x, 0, 1)) if layout.startswith("sb") else (lambda x: x)
+    q, k, v = (to(x) for x in (q, k, v))
+    if "3" in layout:
+        return (jnp.stack([q, k, v], axis=-3), None, None), to
+    if "2" in layout:
+        return (q, jnp.stack([k, v], axis=-3), None), to
+    return (q, k, v), to
+
+
 def block_map(family: str, b: int, h: int, s: int):
     """(map, name) of one mask family at b x h x s x s."""
     if family == "causal":

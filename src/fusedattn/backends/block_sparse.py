@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import block_sparse, partitioning
 from ..block_sparse import builtin
-from ..block_sparse.attention import (block_sparse_attention, block_sparse_attention_backward,
+from ..block_sparse.attention import (block_sparse_attention_backward,
                                       block_sparse_attention_with_lse, on_hopper)
 from ..block_sparse.builders import from_element
 from ..block_sparse.dependence import Reads, mask_mod_reads
@@ -41,7 +41,7 @@ from ..block_sparse.hoisting import MASK, Unsupported, reason
 from ..block_sparse.kernel_parts import BLOCK
 from ..block_sparse.terms import Dense, ElementMask, MaskMod
 from ..config import AttnConfig
-from ..inputs import AttnInputs
+from ..inputs import AttnInputs, pack_like_inputs, unpack_qkv
 from ..score_mods import Masked, Reindexed
 from . import native_op
 
@@ -70,8 +70,6 @@ def config_reason(config: AttnConfig) -> Optional[str]:
         (config.dtype not in DTYPES, f"dtype {config.dtype}: kernels are {'/'.join(DTYPES)}"),
         (config.d_qk != config.d_v or config.d_qk not in HEAD_DIMS,
          f"head dims {config.d_qk}/{config.d_v}: kernels take d_qk == d_v in {HEAD_DIMS}"),
-        (config.layout != "bshd" or config.qkv_packing != "separate",
-         "takes separate q, k, v in the bshd layout"),
         (config.sequence not in ("dense", "padding"),
          f"sequence {config.sequence!r}: takes dense or padded sequences"),
         (config.has_bias or config.has_dropout or config.softmax != "vanilla",
@@ -223,29 +221,34 @@ class BlockSparseBackend(native_op.NativeBackend):
 
         def run(inputs, *operands):
             bm = block_map(config) if static(config) else device_map(config, inputs)
-            return attend(inputs.q, inputs.k, inputs.v, *operands, bm, scale=config.scale,
+            q, k, v = unpack_qkv(config, inputs)
+            return attend(q, k, v, *operands, bm, scale=config.scale,
                           score_mod=parts(config)[1], score_mod_args=inputs.score_mod_args,
-                          implementation=IMPLEMENTATION, unseen_rows=config.unseen_rows)
+                          implementation=IMPLEMENTATION, unseen_rows=config.unseen_rows,
+                          layout=config.layout)
         # (under Explicit axes the map's and the list walks' gathers run with the axes
         # Auto, as the XLA backend's tiles do)
         return partitioning.in_auto_axes(run, inputs.q, out_specs, inputs, *operands)
 
-    # native_op's per-device kernels
+    # native_op's per-device kernels. They read bshd and sbhd arrays in place; packed
+    # q, k, v are sliced apart (copies) and their gradients stacked back.
     def forward(self, config: AttnConfig, inputs: AttnInputs, training: bool):
         dims = (partitioning.output_dims(config), partitioning.LSE_DIMS)
-        if training:
-            return self._run(config, inputs, block_sparse_attention_with_lse,
+        out, lse = self._run(config, inputs, block_sparse_attention_with_lse,
                              lambda: partitioning.typed_specs(config, inputs.q, dims))
-        return self._run(config, inputs, block_sparse_attention,
-                         lambda: partitioning.typed_specs(config, inputs.q, dims)[0]), None
+        return out, (lse if training else None)
 
     def backward(self, config: AttnConfig, inputs: AttnInputs, out, lse, d_out) -> AttnInputs:
         """Gradients of q, k, v and of the float score_mod_args (None for the others)."""
         floats = tuple(x if jnp.issubdtype(jnp.result_type(x), jnp.floating) else None
                        for x in inputs.score_mod_args)
         primal = (inputs.q, inputs.k, inputs.v, floats)  # each gradient typed as its array
+
+        def attend(*args, **kw):
+            dq, dk, dv, d_args = block_sparse_attention_backward(*args, **kw)
+            return (*pack_like_inputs(config, dq, dk, dv), d_args)
         dq, dk, dv, d_args = self._run(
-            config, inputs, block_sparse_attention_backward,
+            config, inputs, attend,
             lambda: jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, primal),
             out, lse, d_out)
         return AttnInputs(dq, dk, dv, score_mod_args=d_args)

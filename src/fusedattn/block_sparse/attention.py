@@ -25,6 +25,7 @@ from .kernel_parts import BLOCK, whole
 from .kernel_score import kernel_score
 
 IMPLEMENTATIONS = ("mosaic", "reference")
+LAYOUTS = ("bshd", "sbhd")    # the token arrays' layouts the kernels read in place
 # What a row that sees no key gives: 0 (fusedattn's rule), or the mean of all values
 # (jax.nn's: every key weighted alike), written by the forward kernel itself.
 UNSEEN_ROWS = ("zero", "mean")
@@ -32,9 +33,11 @@ UNSEEN_ROWS = ("zero", "mean")
 
 def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[float] = None,
                            score_mod: Optional[Callable] = None, score_mod_args=(),
-                           implementation: Optional[str] = None, unseen_rows: str = "zero"):
-    """Attention of q ``[b, s_q, h_q, d]`` over k, v ``[b, s_kv, h_kv, d]`` (bshd,
-    h_q a multiple of h_kv) where `block_map` says which pairs are visible;
+                           implementation: Optional[str] = None, unseen_rows: str = "zero",
+                           layout: str = "bshd"):
+    """Attention of q ``[b, s_q, h_q, d]`` over k, v ``[b, s_kv, h_kv, d]`` (bshd, or
+    with ``layout="sbhd"`` sequence-first ``[s, b, h, d]``, the output too; h_q a
+    multiple of h_kv) where `block_map` says which pairs are visible;
     ``score_mod(score, b, h, q_idx, kv_idx, *score_mod_args)`` rewrites the scaled
     score (elementwise JAX code; on GPU it runs inside the kernel, its reads of the
     args by position, batch or head hoisted out: `kernel_score`). Rows with no
@@ -44,17 +47,17 @@ def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[floa
     padding masked. `implementation`: "mosaic", "reference" or None (mosaic on a
     Hopper GPU, else reference)."""
     out, _ = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation,
-                   unseen_rows)
+                   unseen_rows, layout)
     return out
 
 
 def block_sparse_attention_with_lse(q, k, v, block_map: BlockMap, *, scale=None,
                                     score_mod=None, score_mod_args=(), implementation=None,
-                                    unseen_rows="zero"):
+                                    unseen_rows="zero", layout="bshd"):
     """(out, lse): lse is the fp32 natural log-sum-exp ``[b, h_q, s_q]`` (-inf on
     rows with no visible key)."""
     out, lse2 = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation,
-                      unseen_rows)
+                      unseen_rows, layout)
     return out, lse2 * math.log(2.0)
 
 
@@ -75,7 +78,7 @@ def on_hopper() -> bool:
 
 def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMap, *,
                                     scale=None, score_mod=None, score_mod_args=(),
-                                    implementation=None, unseen_rows="zero"):
+                                    implementation=None, unseen_rows="zero", layout="bshd"):
     """(dq, dk, dv, d_args) of `block_sparse_attention` at cotangent `d_out`, from the
     forward's `out` and natural `lse` (`block_sparse_attention_with_lse`): the backward
     kernels alone, for a caller that runs the forward and the backward as steps of its
@@ -83,8 +86,10 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
     kernels' gradients of the hoisted values (`kernel_score`) carried back through the
     hoisted reads by JAX, as `block_sparse_attention`'s derivative does (no
     ``s_q x s_kv`` array)."""
-    s_q, s_kv = q.shape[1], k.shape[1]
-    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, block_map, scale, implementation)
+    t = _token_axis(layout)
+    s_q, s_kv = q.shape[t], k.shape[t]
+    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, block_map, scale, implementation,
+                                                 layout)
     mean_over, flag = _unseen_rule(unseen_rows, block_map, score_mod is not None, s_kv)
     ints += (flag,)
     args = tuple(score_mod_args)
@@ -95,40 +100,63 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
         full = list(args)
         for i, x in zip(floats, float_args):
             full[i] = x
-        fn, values = _score(score_mod, full, q.shape[0], q.shape[2], s_q, s_kv)
+        fn, values = _score(score_mod, full, _batch(q, t),
+                            q.shape[2], s_q, s_kv)
         score_fn.append(fn)
         return values
     values, pullback = jax.vjp(hoisted, [args[i] for i in floats])
-    whole = q.shape[1]
+    whole = q.shape[t]
     # (padded rows see no key: lse -inf, output 0, as the forward gives them)
     lse2 = jnp.pad(lse.astype(jnp.float32) / math.log(2.0), ((0, 0), (0, 0), (0, whole - s_q)),
                    constant_values=-jnp.inf)
-    out, d_out = (_pad_tokens(x, whole) for x in (out, d_out))
-    dq, dk, dv, _, d_values, _ = _bwd(fn, scale, score_fn[0], impl, mean_over,
+    out, d_out = (_pad_tokens(x, whole, t) for x in (out, d_out))
+    dq, dk, dv, _, d_values, _ = _bwd(fn, scale, score_fn[0], impl, mean_over, t == 0,
                                       (q, k, v, values, ints, out, lse2), (d_out, None))
     d_args = [None] * len(args)
     for i, g in zip(floats, pullback(d_values)[0]):
         d_args[i] = g
-    return dq[:, :s_q], dk[:, :s_kv], dv[:, :s_kv], tuple(d_args)
+    return (_cut(dq, s_q, t), _cut(dk, s_kv, t), _cut(dv, s_kv, t), tuple(d_args))
 
 
-def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_rows):
-    s_q, s_kv = q.shape[1], k.shape[1]
+def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_rows, layout):
+    t = _token_axis(layout)
+    s_q, s_kv = q.shape[t], k.shape[t]
     mean_over, flag = _unseen_rule(unseen_rows, bm, score_mod is not None, s_kv)
     v_real = v
-    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation)
+    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation, layout)
     fill = None
     if mean_over is not None:
         # The mean of v an unseen row gives, from v before its padding (a sum of the
         # padded v fused with its pad ran slower). A constant to the vjp: the backward
         # adds its gradient to dv itself.
         fill = jax.lax.stop_gradient(value_mean(
-            v_real, q.shape[2],
-            lambda x: unseen.gated_token_sum(x, flag, kernel=impl == "mosaic")))
-    score, values = _score(score_mod, score_mod_args, q.shape[0], q.shape[2], s_q, s_kv)
-    out, lse2 = _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values,
+            _bshd(v_real, t == 0), q.shape[2],
+            lambda x: unseen.gated_token_sum(x, flag, kernel=impl == "mosaic" and t == 1)))
+    score, values = _score(score_mod, score_mod_args, _batch(q, t), q.shape[2], s_q, s_kv)
+    out, lse2 = _attention(fn, scale, score, impl, mean_over, t == 0, q, k, v, fill, values,
                            ints + (flag,))
-    return out[:, :s_q], lse2[..., :s_q]
+    return _cut(out, s_q, t), lse2[..., :s_q]
+
+
+def _token_axis(layout: str) -> int:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return 1 if layout == "bshd" else 0
+
+
+def _batch(x, t: int) -> int:
+    return x.shape[1 - t]
+
+
+def _bshd(x, seq_first: bool):
+    """A token array in bshd, from sbhd where `seq_first` (and back: the same swap). XLA
+    fuses the transpose into what reads it."""
+    return jnp.swapaxes(x, 0, 1) if seq_first else x
+
+
+def _cut(x, size: int, t: int):
+    """The first `size` tokens of `x` (axis `t`)."""
+    return x if x.shape[t] == size else jax.lax.slice_in_dim(x, 0, size, axis=t)
 
 
 def _unseen_rule(unseen_rows: str, bm: BlockMap, has_score: bool, s_kv: int):
@@ -155,16 +183,17 @@ def _score(score_mod, score_mod_args, batch, heads, s_q, s_kv):
                       _pad_tokens(score.kv_values, whole(s_kv), axis=3), score.d_values)
 
 
-def _operands(q, k, v, bm, scale, implementation):
+def _operands(q, k, v, bm, scale, implementation, layout):
     """(mask fn, scale, implementation, padded (q, k, v), the map's int arrays) of a call."""
-    _check(q, k, v, bm)
+    t = _token_axis(layout)
+    _check(q, k, v, bm, t)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = choose_implementation(q, implementation)
     km = _padded(kernel_mask(bm.element), bm.s_q, bm.s_kv)
     # Lengths past a block boundary: the arrays padded to whole blocks (the map already
     # has the blocks; the key padding is masked in the last block, which is never full,
     # and the padded rows' outputs are cut off, so their cotangent is 0).
-    q, k, v = (_pad_tokens(x, whole(x.shape[1])) for x in (q, k, v))
+    q, k, v = (_pad_tokens(x, whole(x.shape[t]), t) for x in (q, k, v))
     fwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices))
     bwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
@@ -194,32 +223,39 @@ def _padded(km: KernelMask, s_q: int, s_kv: int) -> KernelMask:
                       _pad_tokens(km.kv_arrays, whole(s_kv), axis=2), km.dense, fn)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _attention(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _attention(fn, scale, score, impl, mean_over, seq_first, q, k, v, fill, values, ints):
     """`fill` (None, or the mean of v's `mean_over` real keys per query head) is what
-    rows that see no key give; the backward adds its gradient to dv."""
-    return _forward(fn, scale, score, impl, q, k, v, fill, values, ints)
+    rows that see no key give; the backward adds its gradient to dv. `seq_first`: the
+    token arrays are sbhd."""
+    return _forward(fn, scale, score, impl, seq_first, q, k, v, fill, values, ints)
 
 
-def _forward(fn, scale, score, impl, q, k, v, fill, values, ints):
+def _forward(fn, scale, score, impl, seq_first, q, k, v, fill, values, ints):
     fwd_lists, _, qa, ka, dense, _ = ints
     km = KernelMask(qa, ka, dense, fn)
-    kernels = kernel_fwd if impl == "mosaic" else reference
-    return kernels.forward(q, k, v, fwd_lists, km, scale=scale, score=score,
-                           score_values=values, fill=fill)
+    kw = dict(scale=scale, score=score, score_values=values, fill=fill)
+    if impl == "mosaic":
+        return kernel_fwd.forward(q, k, v, fwd_lists, km, seq_first=seq_first, **kw)
+    # (the reference walks take bshd alone)
+    out, lse2 = reference.forward(*(_bshd(x, seq_first) for x in (q, k, v)), fwd_lists,
+                                  km, **kw)
+    return _bshd(out, seq_first), lse2
 
 
-def _fwd(fn, scale, score, impl, mean_over, q, k, v, fill, values, ints):
-    out, lse2 = _forward(fn, scale, score, impl, q, k, v, fill, values, ints)
+def _fwd(fn, scale, score, impl, mean_over, seq_first, q, k, v, fill, values, ints):
+    out, lse2 = _forward(fn, scale, score, impl, seq_first, q, k, v, fill, values, ints)
     return (out, lse2), (q, k, v, values, ints, out, lse2)
 
 
-def _bwd(fn, scale, score, impl, mean_over, res, cts):
+def _bwd(fn, scale, score, impl, mean_over, seq_first, res, cts):
     q, k, v, values, ints, out, lse2 = res
     do = cts[0].astype(q.dtype)
     fwd_lists, bwd_lists, qa, ka, dense, flag = ints
     km = KernelMask(qa, ka, dense, fn)
-    delta = jnp.einsum("bshd,bshd->bhs", out.astype(jnp.float32), do.astype(jnp.float32))
+    tokens = "sbhd" if seq_first else "bshd"
+    delta = jnp.einsum(f"{tokens},{tokens}->bhs", out.astype(jnp.float32),
+                       do.astype(jnp.float32))
     # A reduction of its own: fused into the stack below, XLA computed it element by
     # element in a loop fusion, which cost as much as a third of the backward.
     delta = jax.lax.optimization_barrier(delta)
@@ -232,11 +268,19 @@ def _bwd(fn, scale, score, impl, mean_over, res, cts):
         # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
         # A masked sum over the sequence reads dO once (as an einsum, XLA transposed dO
         # for a matmul first), where the gate is open.
-        dv_add = unseen.gated_token_sum(do, flag, lse2, kernel=impl == "mosaic") / mean_over
-    kernels = kernel_bwd if impl == "mosaic" else reference
-    dq, d_q_values, d_d_values = kernels.dq(q, k, v, do, lse_delta, fwd_lists, km, **kw)
-    dk, dv, d_kv_values = kernels.dkv(q, k, v, do, lse_delta, bwd_lists, km, dv_add=dv_add,
-                                      **kw)
+        dv_add = unseen.gated_token_sum(_bshd(do, seq_first), flag, lse2,
+                                        kernel=impl == "mosaic" and not seq_first) / mean_over
+    if impl == "mosaic":
+        dq, d_q_values, d_d_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km,
+                                                   seq_first=seq_first, **kw)
+        dk, dv, d_kv_values = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km,
+                                             dv_add=dv_add, seq_first=seq_first, **kw)
+    else:   # (the reference walks take bshd alone)
+        bq, bk, bv, bdo = (_bshd(x, seq_first) for x in (q, k, v, do))
+        dq, d_q_values, d_d_values = reference.dq(bq, bk, bv, bdo, lse_delta, fwd_lists, km, **kw)
+        dk, dv, d_kv_values = reference.dkv(bq, bk, bv, bdo, lse_delta, bwd_lists, km,
+                                            dv_add=dv_add, **kw)
+        dq, dk, dv = (_bshd(x, seq_first) for x in (dq, dk, dv))
     dk, dv = (_group_sum(x, k.shape[2]).astype(k.dtype) for x in (dk, dv))
     d_values = tuple(_summed_to(g, x) for g, x in
                      zip((d_q_values, d_kv_values, d_d_values), values))
@@ -259,25 +303,27 @@ def _summed_to(grad, x):
 
 
 def _group_sum(x, h_kv):
-    """Per-query-head dk / dv [b, s, h_q, d] -> [b, s, h_kv, d] summed over each group."""
+    """Per-query-head dk / dv [b, s, h_q, d] (or sbhd) -> [.., h_kv, d] summed over each
+    group."""
     b, s, h, d = x.shape
     if h == h_kv:
         return x
     return x.reshape(b, s, h_kv, h // h_kv, d).astype(jnp.float32).sum(3)
 
 
-def _check(q, k, v, bm: BlockMap):
+def _check(q, k, v, bm: BlockMap, t: int):
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"q, k, v must be bshd with k.shape == v.shape, got {q.shape}, "
-                         f"{k.shape}, {v.shape}")
-    b, s_q, h_q, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d or h_q % k.shape[2]:
+        raise ValueError(f"q, k, v must be {'bshd' if t else 'sbhd'} with k.shape == v.shape, "
+                         f"got {q.shape}, {k.shape}, {v.shape}")
+    b, s_q, h_q, d = _batch(q, t), q.shape[t], q.shape[2], q.shape[3]
+    s_kv = k.shape[t]
+    if _batch(k, t) != b or k.shape[3] != d or h_q % k.shape[2]:
         raise ValueError(f"k/v {k.shape} do not fit q {q.shape} (h_q must be a multiple of h_kv)")
     if tuple(bm.block) != (BLOCK, BLOCK):
         raise ValueError(f"block_sparse_attention needs a map of {BLOCK}x{BLOCK} blocks, "
                          f"got {bm.block}")
-    if (bm.s_q, bm.s_kv) != (s_q, k.shape[1]):
-        raise ValueError(f"the map is for {bm.s_q}x{bm.s_kv}, q/k give {s_q}x{k.shape[1]}")
+    if (bm.s_q, bm.s_kv) != (s_q, s_kv):
+        raise ValueError(f"the map is for {bm.s_q}x{bm.s_kv}, q/k give {s_q}x{s_kv}")
     mb, mh = bm.shape[:2]
     if mb not in (1, b) or mh not in (1, h_q):
         raise ValueError(f"the map's batch/head axes {bm.shape[:2]} do not fit b={b}, h_q={h_q}")

@@ -25,9 +25,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .kernel_diagonal import Diagonal, diagonal_scratch, diagonal_words
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
-                           col_vector, cols_of, copy_partial, copy_side, counts, dense_tile,
-                           load_words, logits, matmul_acc, matmul_acc2, matmul_t2, rendezvous,
-                           row_vector, rows_of, smem_tiled, tile_fns, value_scratch)
+                           batch_tokens, col_vector, cols_of, copy_partial, copy_side, counts,
+                           dense_tile, load_words, logits, matmul_acc, matmul_acc2, matmul_t2,
+                           rendezvous, row_vector, rows_of, smem_tiled, tile_fns, tokens,
+                           value_scratch)
 
 HALF = BLOCK // 2
 
@@ -59,12 +60,12 @@ def _run(body, out_type, scratch, grid, args, interpret):
 
 
 def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
-       score_values=(None, None, None), interpret=None):
-    """dq [B, S, H, D] in q's dtype; with a score's float q values their gradient
-    [B, H, n, S] f32 (zeros for non-float values), else None; with float diagonal values
-    theirs [B, H, l, K], else None. `lists` are the query-major ones of the map. Each
-    step takes half a key block."""
-    B, S, H, D = q.shape
+       score_values=(None, None, None), seq_first=False, interpret=None):
+    """dq [B, S, H, D] in q's dtype (`seq_first`: q, k, v, do and dq [S, B, H, D]); with
+    a score's float q values their gradient [B, H, n, S] f32 (zeros for non-float
+    values), else None; with float diagonal values theirs [B, H, l, K], else None.
+    `lists` are the query-major ones of the map. Each step takes half a key block."""
+    (B, S), H, D = batch_tokens(q, seq_first), q.shape[2], q.shape[3]
     group = H // k.shape[2]
     dt = q.dtype
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
@@ -116,8 +117,10 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             q0 = t * BLOCK + wg * ROWS
             rows = pl.ds(q0, ROWS)
             qw, dow = q_smem.at[wg], do_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], qw, in_ready.at[wg * 4 + 0])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], dow, in_ready.at[wg * 4 + 1])
+            plgpu.copy_gmem_to_smem(tokens(q_ref, b, rows, h, seq_first),
+                                    qw, in_ready.at[wg * 4 + 0])
+            plgpu.copy_gmem_to_smem(tokens(do_ref, b, rows, h, seq_first),
+                                    dow, in_ready.at[wg * 4 + 1])
             plgpu.copy_gmem_to_smem(ld_ref.at[b, h, :, rows], ld_smem.at[wg],
                                     in_ready.at[wg * 4 + 2])
             copy_side(b, h, rows, n_qa and (qa_ref, qa_smem.at[wg], in_ready.at[wg * 4 + 3]),
@@ -176,7 +179,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             for r, x in enumerate(d_sq):   # (the values were read into registers above)
                 sq_smem.at[wg, r][...] = x
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qw, dq_ref.at[b, rows, h])
+            plgpu.copy_smem_to_gmem(qw, tokens(dq_ref, b, rows, h, seq_first))
             if d_values:
                 plgpu.copy_smem_to_gmem(sq_smem.at[wg], dsq_ref.at[b, h, :, rows])
             if d_diag:
@@ -194,7 +197,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 k0 = j * BLOCK + lax.rem(s_i, per) * width
                 keys = pl.ds(k0, width)
                 pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
-                plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(tokens(k_ref, b, keys, h_kv, seq_first),
+                                        k_smem.at[slot], k_ready.at[slot])
                 if dense is not None:
                     load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
                                lambda w: (pl.ds(k0 // WORD, width // WORD),
@@ -202,7 +206,8 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 copy_partial(partial, b, h, keys,
                              n_ka and (ka_ref, ka_smem.at[slot], ka_ready.at[slot]))
                 copy_side(b, h, keys, n_skv and (skv_ref, skv_smem.at[slot], skv_ready.at[slot]))
-                plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], v_smem.at[slot], v_ready.at[slot])
+                plgpu.copy_gmem_to_smem(tokens(v_ref, b, keys, h_kv, seq_first),
+                                        v_smem.at[slot], v_ready.at[slot])
             lax.fori_loop(0, steps, issue, None)
             lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
                           lambda s_i, _: plgpu.barrier_wait(free.at[lax.rem(s_i, NSTAGE)]), None)
@@ -235,14 +240,15 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
 
 
 def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
-        score_values=(None, None, None), dv_add=None, interpret=None):
-    """(dk, dv) [B, S_kv, H, D] per query head, in k's dtype, and with a score's float
+        score_values=(None, None, None), dv_add=None, seq_first=False, interpret=None):
+    """(dk, dv) [B, S_kv, H, D] per query head, in k's dtype (`seq_first`: every array
+    of tokens [S, B, H, D]), and with a score's float
     kv values their gradient [B, H, m, S_kv] f32 (else None); `lists` are the
     key-major ones of the map (q_num_blocks, q_indices, full_q_*). A dense mask term
     has the forward's words (`kernel_parts.WORD`). `dv_add` f32 [B, H, D], if given,
     is added to every key's dv (the gradient of a forward `fill`)."""
-    B, S, H, D = q.shape
-    S_kv = k.shape[1]
+    (B, S), H, D = batch_tokens(q, seq_first), q.shape[2], q.shape[3]
+    S_kv = batch_tokens(k, seq_first)[1]
     group = H // k.shape[2]
     dt = q.dtype
     mb, mh = lists[0].shape[0] > 1, lists[0].shape[1] > 1
@@ -284,8 +290,10 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             k0 = t * BLOCK + wg * ROWS
             keys = pl.ds(k0, ROWS)
             kw_, vw = k_smem.at[wg], v_smem.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h_kv], kw_, in_ready.at[wg * 4 + 0])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h_kv], vw, in_ready.at[wg * 4 + 1])
+            plgpu.copy_gmem_to_smem(tokens(k_ref, b, keys, h_kv, seq_first),
+                                    kw_, in_ready.at[wg * 4 + 0])
+            plgpu.copy_gmem_to_smem(tokens(v_ref, b, keys, h_kv, seq_first),
+                                    vw, in_ready.at[wg * 4 + 1])
             copy_side(b, h, keys, n_ka and (ka_ref, ka_smem.at[wg], in_ready.at[wg * 4 + 2]),
                       n_skv and (skv_ref, skv_smem.at[wg], in_ready.at[wg * 4 + 3]))
             if n_ka:
@@ -358,8 +366,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             for r, x in enumerate(d_skv):   # (the values were read into registers above)
                 skv_smem.at[wg, r][...] = x
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(kw_, dk_ref.at[b, keys, h])
-            plgpu.copy_smem_to_gmem(vw, dv_ref.at[b, keys, h])
+            plgpu.copy_smem_to_gmem(kw_, tokens(dk_ref, b, keys, h, seq_first))
+            plgpu.copy_smem_to_gmem(vw, tokens(dv_ref, b, keys, h, seq_first))
             if d_values:
                 plgpu.copy_smem_to_gmem(skv_smem.at[wg], dskv_ref.at[b, h, :, keys])
             plgpu.wait_smem_to_gmem(0)
@@ -374,7 +382,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 j, partial = walk.entry(s_i // 2)
                 rows = pl.ds(j * BLOCK + lax.rem(s_i, 2) * HALF, HALF)
                 pl.when(s_i >= NSTAGE)(lambda: plgpu.barrier_wait(free.at[slot]))
-                plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(tokens(q_ref, b, rows, h, seq_first),
+                                        q_smem.at[slot], q_ready.at[slot])
                 if dense is not None:
                     load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
                                lambda w: (pl.ds((t * BLOCK + w * ROWS) // WORD, ROWS // WORD),
@@ -384,7 +393,8 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 copy_partial(partial, b, h, rows,
                              n_qa and (qa_ref, qa_smem.at[slot], qa_ready.at[slot]))
                 copy_side(b, h, rows, n_sq and (sq_ref, sq_smem.at[slot], sq_ready.at[slot]))
-                plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_ready.at[slot])
+                plgpu.copy_gmem_to_smem(tokens(do_ref, b, rows, h, seq_first),
+                                        do_smem.at[slot], do_ready.at[slot])
             lax.fori_loop(0, steps, issue, None)
             lax.fori_loop(jnp.maximum(steps - NSTAGE, 0), steps,
                           lambda s_i, _: plgpu.barrier_wait(free.at[lax.rem(s_i, NSTAGE)]), None)
@@ -405,7 +415,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
     sd = diagonal_words(score, sd) if n_sd else None
     scratch += diagonal_scratch(sd)
     extra = [x for x in (qa, ka, dense, sq, skv, sd, dv_add) if x is not None]
-    out = jax.ShapeDtypeStruct((B, S_kv, H, D), dt)
+    out = jax.ShapeDtypeStruct((S_kv, B, H, D) if seq_first else (B, S_kv, H, D), dt)
     outs = (out, out) + ((jax.ShapeDtypeStruct((B, H, n_skv, S_kv), F32),) if d_values else ())
     got = _run(body, outs, scratch, (B, H, S_kv // BLOCK),
                (q, k, v, do, lse_delta, *lists, *extra), interpret)

@@ -25,20 +25,22 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from .kernel_diagonal import Diagonal, diagonal_scratch, diagonal_words
 from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh_index as _bh,
-                           col_vector, cols_of, copy_partial, copy_side, counts, dense_tile,
-                           drain, logits, matmul_acc, matmul_t, load_words, persistent_programs,
-                           rendezvous, row_vector, rows_of, smem_tiled, tile_fns, value_scratch)
+                           batch_tokens, col_vector, cols_of, copy_partial, copy_side, counts,
+                           dense_tile, drain, logits, matmul_acc, matmul_t, load_words,
+                           persistent_programs, rendezvous, row_vector, rows_of, smem_tiled,
+                           tile_fns, tokens, value_scratch)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
-            score_values=(None, None, None), fill=None, interpret=None):
-    """q [B, S, H, D], k/v [B, S_kv, H_kv, D]; `lists` = (kv_num_blocks, kv_indices,
+            score_values=(None, None, None), fill=None, seq_first=False, interpret=None):
+    """q [B, S, H, D], k/v [B, S_kv, H_kv, D] (`seq_first`: [S, B, H, D], the output
+    too); `lists` = (kv_num_blocks, kv_indices,
     full_kv_num_blocks, full_kv_indices) of a 128x128 map; `score` a
     `kernel_score.ScoreFn` or None, `score_values` its (q, kv, diagonal) value words or
     None;
     `fill` f32 [B, H, D]: the output of rows with no visible key (None: 0).
     -> (out, lse2 [B, H, S])."""
-    B, S, H, D = q.shape
+    (B, S), H, D = batch_tokens(q, seq_first), q.shape[2], q.shape[3]
     H_kv = k.shape[2]
     group = H // H_kv
     dt = q.dtype
@@ -169,7 +171,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                 qw[...] = out.astype(dt)   # Q's buffer holds O
                 lse_smem.at[wg][...] = jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qw, o_ref.at[b, pl.ds(q0, ROWS), h])
+                plgpu.copy_smem_to_gmem(qw, tokens(o_ref, b, pl.ds(q0, ROWS), h, seq_first))
                 plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q0, ROWS)])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.barrier_arrive(q_free.at[buf])   # the buffer may take a later Q
@@ -188,8 +190,9 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                 h_kv = h // group
                 pl.when(item >= 2)(lambda: plgpu.barrier_wait(q_free.at[buf]))
                 for w in range(NWG):
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(t * BLOCK + w * ROWS, ROWS), h],
-                                            q_smem.at[buf, w], q_ready.at[buf * NWG + w])
+                    plgpu.copy_gmem_to_smem(
+                        tokens(q_ref, b, pl.ds(t * BLOCK + w * ROWS, ROWS), h, seq_first),
+                        q_smem.at[buf, w], q_ready.at[buf * NWG + w])
 
                 def issue(i, _):
                     g = base + i
@@ -197,8 +200,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     j, partial = walk.entry(i)
                     rows = pl.ds(j * BLOCK, BLOCK)
                     pl.when(g >= NSTAGE)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-                    plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h_kv], k_smem.at[slot],
-                                            k_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(tokens(k_ref, b, rows, h_kv, seq_first),
+                                            k_smem.at[slot], k_ready.at[slot])
                     if dense is not None:
                         load_words(d_ref, d_smem, d_ready, _bh(dense, b, h), partial, slot,
                                    lambda w: (pl.ds(j * (BLOCK // WORD), BLOCK // WORD),
@@ -207,8 +210,8 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                                  n_ka and (ka_ref, ka_smem.at[slot], ka_ready.at[slot]))
                     copy_side(b, h, rows, n_skv and (skv_ref, skv_smem.at[slot], skv_ready.at[slot]))
                     pl.when(g >= NSTAGE)(lambda: plgpu.barrier_wait(v_free.at[slot]))
-                    plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h_kv], v_smem.at[slot],
-                                            v_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(tokens(v_ref, b, rows, h_kv, seq_first),
+                                            v_smem.at[slot], v_ready.at[slot])
                 lax.fori_loop(0, walk.count, issue, None)
                 return base + walk.count
 

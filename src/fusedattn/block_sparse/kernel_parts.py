@@ -181,6 +181,17 @@ def broadcast_along(x, axis, shape):
     return lax.broadcast_in_dim(x, shape, [axis])
 
 
+def tokens(ref, b, rows, h, seq_first: bool):
+    """Batch `b`, head `h`'s `rows` of a q / k / v-like GMEM ref ``[B, S, H, D]``, or
+    ``[S, B, H, D]`` where `seq_first` (sbhd: TMA takes either stride)."""
+    return ref.at[rows, b, h] if seq_first else ref.at[b, rows, h]
+
+
+def batch_tokens(x, seq_first: bool):
+    """(B, S) of a q / k / v-like array (`tokens`)."""
+    return (x.shape[1], x.shape[0]) if seq_first else x.shape[:2]
+
+
 def bh_index(x, b, h):
     """The (batch, head) index into an array ``[B|1, H|1, ...]`` (0 where broadcast)."""
     return (b if x.shape[0] > 1 else 0, h if x.shape[1] > 1 else 0)
