@@ -147,6 +147,27 @@ def _check_split(split, mask, axis_type):
         assert err < tol, (name, err)
 
 
+@pytest.mark.parametrize("split", ["batch", "heads"])
+def test_sequence_first_arrays_split_too(hopper_reference, split):
+    """sbhd q, k, v (read in place by the kernels) split over batch (their axis 1) or
+    heads: each device runs its shard, and the results equal the bshd step's."""
+    mesh_shape, names, _, _ = SPLITS[split]
+    spec = P(None, "dp") if split == "batch" else P(None, None, "tp")
+    q, k, v, do = _qkvo()
+    sw = lambda x: jnp.swapaxes(x, 0, 1)  # noqa: E731
+    call = lambda q, k, v, doc: fusedattn.fused_attn(  # noqa: E731
+        q, k, v, mask_mod=same_doc, score_mod_args=(doc,), layout="sbhd")
+    args = [sw(q), sw(k), sw(v), _docs()]
+    single, sharded, _, text = sc.run(call, args, [NamedSharding(_mesh(mesh_shape, names),
+                                                                 spec)] * 3 + [None], sw(do))
+    _only_the_loss_reduces(text)
+    sc.assert_same(single, sharded, TOL_SAME)
+    (_, out), grads = sharded
+    bshd, _ = _unsharded("documents")
+    sc.assert_same(bshd, ((None, np.swapaxes(out, 0, 1)),
+                          [np.swapaxes(g, 0, 1) for g in grads]), TOL_SAME)
+
+
 def test_both_partitioners_split_the_documents_mask(hopper_reference, partitioner):
     """Shardy's rule and the GSPMD callbacks alike (the mask_mod reading global rows)."""
     mesh_shape, names, spec, _ = SPLITS["batch-heads"]
