@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from support.block_sparse_cases import (FAMILIES, SCORE_VALUE_MODS, block_map, dense_visibility,
-                                        doc_ids, in_layout, oracle, rel_error,
-                                        score_value_args)
+from support.block_sparse_cases import (FAMILIES, PACKED, SCORE_VALUE_MODS, block_map,
+                                        check_packed, dense_visibility, doc_ids, in_layout,
+                                        oracle, packed_case, rel_error, score_value_args)
 from fusedattn import block_sparse as bs
 from fusedattn.block_sparse.attention import (block_sparse_attention,
                                               block_sparse_attention_with_lse,
@@ -264,6 +264,20 @@ def test_dispatch_runs_other_layouts_on_the_kernels(layout):
     assert rel_error(out, ref_out) < 2e-2, layout
     for name, g, r in zip(("dq", "dk", "dv"), vjp(do), ref_grads):
         assert rel_error(g, r) < 4e-2, (layout, name)
+
+
+@pytest.mark.parametrize("case", sorted(PACKED))
+def test_packed_segments_run_on_the_kernels(case):
+    """Packed sequences with a mask_mod or score_mod (positions inside each segment) on
+    the block_sparse kernels, against the XLA backend in float32 (`check_packed`)."""
+    import fusedattn
+    q, k, v, do = _inputs(4, 2, 128, jnp.bfloat16, s=640)
+    if choose_implementation(q) != "mosaic":
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
+    seq, opts, args = packed_case(case, B, 640)
+    plan = fusedattn.explain(q, k, v, score_mod_args=args, **opts)
+    assert plan.chosen == "block_sparse", str(plan)
+    check_packed(q, k, v, do, seq, opts, args)
 
 
 @pytest.mark.parametrize("route", ["fused_attn, ids", "jax.nn drop-in, dense mask",

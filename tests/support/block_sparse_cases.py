@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import fusedattn
 from fusedattn import block_sparse as bs
 from fusedattn import score_mods
 from support import oracle as f64_oracle   # (this module's `oracle` is the block walk's)
@@ -198,3 +199,55 @@ SCORE_VALUE_MODS = {  # score_mods reading arrays by position, batch or head
     "t5_causal_document_scale": lambda s, b, h, i, j, doc, sc, t: s * sc[doc[b, i]] + t[
         h, score_mods.t5_bucket(i, j, 16, 64, bidirectional=False)],
 }
+
+
+# ---- packed segments: a mask_mod and score_mods seeing positions inside them -------------
+def prefix_in_segment(b, h, i, j):
+    return (j <= i) | (j < 32)
+
+
+def by_segment_position(s, b, h, i, j, table):
+    n = table.shape[0] - 1
+    return s + table[jnp.clip(i, 0, n)] - table[jnp.clip(j, 0, n)]
+
+
+def slopes_in_segment(s, b, h, i, j):
+    return s - 0.05 * (h + 1) * jnp.abs(i - j)
+
+
+PACKED = {"prefix mask_mod": dict(mask_mod=prefix_in_segment),
+          "table score_mod, causal": dict(mask="causal", score_mod=by_segment_position),
+          "positions score_mod, prefix mask_mod": dict(mask_mod=prefix_in_segment,
+                                                       score_mod=slopes_in_segment)}
+
+
+def packed_case(case, b, s):
+    """(a packed descriptor, `fused_attn` options, score_mod_args) of a `PACKED` case: row
+    r holds segments of about 0.4 s, 0.23 s and the rest (row 1: two, then padding)."""
+    ids = np.zeros((b, s), np.int32)
+    for r in range(b):
+        lengths = [s * 2 // 5, s // 4] + ([s - s * 2 // 5 - s // 4] if r % 2 == 0 else [])
+        ids[r, :sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+    seq = fusedattn.SequenceDescriptor.from_segment_ids(jnp.asarray(ids), max_segments=3)
+    table = 0.3 * jax.random.normal(jax.random.key(5), (s,), jnp.float32)
+    return seq, dict(PACKED[case], sequence=seq), ((table,) if "table" in case else ())
+
+
+def check_packed(q, k, v, do, seq, opts, args):
+    """`fused_attn(**opts)` as dispatch runs it against the XLA backend in float32 (the
+    packed semantics' reference, itself checked against the float64 oracle): output,
+    the q, k, v gradients and the table's; padded rows give exactly 0."""
+    def loss(q, k, v, *args, backend="auto"):
+        out = fusedattn.fused_attn(q, k, v, score_mod_args=args, backend=backend, **opts)
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+    argnums = tuple(range(3 + len(args)))
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))(q, k, v, *args)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (_, ref), ref_grads = jax.value_and_grad(lambda *a: loss(*a, backend="xla"), argnums,
+                                             has_aux=True)(*f32, *args)
+    pad = np.asarray(seq.q_segment_ids) == 0
+    assert np.all(np.asarray(out, np.float32)[pad] == 0), "padded rows must give 0"
+    assert rel_error(np.asarray(out, np.float32), np.asarray(ref)) < 2e-2
+    for name, g, r in zip(("dq", "dk", "dv", "d table"), grads, ref_grads):
+        assert rel_error(np.asarray(g, np.float32), np.asarray(r)) < 4e-2, name
+

@@ -14,11 +14,12 @@ cuDNN's graph has no block list: a mask it does not recognise runs every tile th
 * a score_mod that reads arrays by position (``scale[doc[b, q]]``): cuDNN's graph has
   no gather, so with or without a mask it runs here (`block_sparse.kernel_score`).
 
-The built-in causal mask and window are ANDed in, and so are padding lengths (per-row
-key intervals; a padded call's map is built on the device): padded query rows see no
-key, so they give 0. The config's score_mod (if any) runs inside the kernel, its array
-reads hoisted per row, column or (batch, head). Anything else (packed sequences among
-it) is a reason, and dispatch moves on; `supports` decides from the config alone
+The built-in causal mask and window are ANDed in, and so are padding lengths and packed
+segments (per-row key intervals; such a call's map is built on the device): padded
+query rows see no key, so they give 0. Under packing the mask_mod and score_mod see
+positions inside the segments (read per row and column, `terms.InSegments`). The
+config's score_mod (if any) runs inside the kernel, its array reads hoisted per row,
+column or (batch, head). Anything else is a reason, and dispatch moves on; `supports` decides from the config alone
 (shapes and dtypes of the arrays), cached per config.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ..block_sparse.dependence import Reads, mask_mod_reads
 from ..block_sparse import kernel_score
 from ..block_sparse.hoisting import MASK, Unsupported, reason
 from ..block_sparse.kernel_parts import BLOCK
-from ..block_sparse.terms import Dense, ElementMask, MaskMod
+from ..block_sparse.terms import Dense, ElementMask, InSegments, MaskMod
 from ..config import AttnConfig
 from ..inputs import AttnInputs, pack_like_inputs, unpack_qkv
 from ..score_mods import Masked, Reindexed
@@ -58,6 +59,18 @@ def parts(config: AttnConfig):
     return (mod.mask_mod, mod.score_mod) if isinstance(mod, Masked) else (None, mod)
 
 
+def in_segments(config: AttnConfig, fn, args, score: bool, inputs=None):
+    """(`fn`, its args) as the kernels run them: under packed sequences `fn` sees the
+    segments' positions, appended to its args (`InSegments`). `args` are the call's
+    arrays (`inputs` its AttnInputs), or their specs when `inputs` is None."""
+    if fn is None or not config.is_packed:
+        return fn, tuple(args)
+    positions = ([jax.ShapeDtypeStruct((config.batch, n), jnp.int32)
+                  for n in (config.s_q, config.s_kv)] if inputs is None else
+                 [inputs.sequence.q_positions, inputs.sequence.kv_positions])
+    return InSegments(fn, score=score), (*args, *positions)
+
+
 def config_reason(config: AttnConfig) -> Optional[str]:
     """What the kernels cannot run, from the config alone (None: they can)."""
     mask_mod, _ = parts(config)
@@ -70,13 +83,13 @@ def config_reason(config: AttnConfig) -> Optional[str]:
         (config.dtype not in DTYPES, f"dtype {config.dtype}: kernels are {'/'.join(DTYPES)}"),
         (config.d_qk != config.d_v or config.d_qk not in HEAD_DIMS,
          f"head dims {config.d_qk}/{config.d_v}: kernels take d_qk == d_v in {HEAD_DIMS}"),
-        (config.sequence not in ("dense", "padding"),
-         f"sequence {config.sequence!r}: takes dense or padded sequences"),
+        (config.sequence not in ("dense", "padding", "packed"),
+         f"sequence {config.sequence!r}: takes dense, padded or packed sequences"),
         (config.has_bias or config.has_dropout or config.softmax != "vanilla",
          "takes no bias, dropout or sink softmax"),
-        (config.unseen_rows == "mean" and config.is_padded,
+        (config.unseen_rows == "mean" and config.sequence != "dense",
          "writes the mean of the values to rows that see no key only without padding "
-         "(padded query rows give 0)"),
+         "or packing (padded query rows give 0)"),
         # (past a block boundary the outputs are sliced from padded arrays, and XLA fuses
         # the drop-in's own average into those slices: measured faster, docs/decisions.md)
         (config.unseen_rows == "mean" and (config.s_q % BLOCK or config.s_kv % BLOCK),
@@ -106,9 +119,9 @@ def mask_reads(config: AttnConfig) -> Reads:
 @functools.lru_cache(maxsize=256)
 def _score_by_position(config: AttnConfig) -> bool:
     """Whether the score_mod reads arrays by a position (what cuDNN cannot run)."""
-    _, score_mod = parts(config)
+    score_mod, specs = in_segments(config, parts(config)[1], _arg_specs(config), score=True)
     try:
-        split = kernel_score.split(score_mod, _arg_specs(config), config.batch, config.h_q,
+        split = kernel_score.split(score_mod, specs, config.batch, config.h_q,
                                    config.s_q, config.s_kv)
     except Exception:  # no in-kernel form: `args_reason` says why
         return False
@@ -123,14 +136,16 @@ def args_reason(config: AttnConfig) -> Optional[str]:
     specs = _arg_specs(config)
     try:
         try:  # (the split the kernels run, cached: no second hoisting of the score_mod)
-            kernel_score.split(score_mod, specs, config.batch, config.h_q, config.s_q,
-                               config.s_kv)
+            kernel_score.split(*in_segments(config, score_mod, specs, score=True),
+                               config.batch, config.h_q, config.s_q, config.s_kv)
         except Unsupported as e:
             return str(e)
         if mask_mod is None or not mask_reads(config).args:
             return None
         reads = mask_reads(config)
-        return reason(mask_mod, specs, config.batch if reads.batch else 1,
+        # (packed: as the map's MaskMod term hoists it, `kernel_mask`)
+        return reason(*in_segments(config, mask_mod, specs, score=False),
+                      config.batch if reads.batch or config.is_packed else 1,
                       config.h_q if reads.head else 1, config.s_q, config.s_kv, MASK)
     except Exception as e:  # a function that cannot be traced here: a reason, not a crash
         return f"score_mod_args: {type(e).__name__}: {e}"
@@ -138,8 +153,8 @@ def args_reason(config: AttnConfig) -> Optional[str]:
 
 def static(config: AttnConfig) -> bool:
     """Whether the call's map is static: a mask_mod of positions alone, no dense mask,
-    no padding lengths."""
-    return (not config.has_dense_mask and not config.is_padded
+    no padding lengths or packed segments."""
+    return (not config.has_dense_mask and config.sequence == "dense"
             and mask_reads(config).positions_only)
 
 
@@ -160,13 +175,15 @@ def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
     mask and window."""
     mask_mod, _ = parts(config)
     terms = []
-    if mask_mod is not None:
+    if mask_mod is not None:   # (packed: it sees positions inside the segments)
+        pos = ((inputs.sequence.q_positions, inputs.sequence.kv_positions)
+               if config.is_packed else ())
         terms.append(MaskMod.build(mask_mod, tuple(inputs.score_mod_args), config.batch,
-                                   config.h_q, config.s_q, config.s_kv))
+                                   config.h_q, config.s_q, config.s_kv, *pos))
     if inputs.dense_mask is not None:
         terms.append(Dense(inputs.dense_mask))
     terms.append(builtin.intervals(config.s_q, config.s_kv, config.mask, config.window,
-                                   inputs.sequence if config.is_padded else None))
+                                   None if config.sequence == "dense" else inputs.sequence))
     return from_element(ElementMask(terms, config.s_q, config.s_kv), (BLOCK, BLOCK))
 
 
@@ -208,6 +225,8 @@ class BlockSparseBackend(native_op.NativeBackend):
             sources.append("the dense boolean mask")
         if config.is_padded:
             sources.append("the padding lengths")
+        if config.is_packed:
+            sources.append("the packed segments")
         return (f"block map of {BLOCK}x{BLOCK} blocks built on the device in every call from "
                 f"{' and '.join(sources)}"
                 + (f", with the {config.mask} mask" if config.causal else "")
@@ -222,10 +241,11 @@ class BlockSparseBackend(native_op.NativeBackend):
         def run(inputs, *operands):
             bm = block_map(config) if static(config) else device_map(config, inputs)
             q, k, v = unpack_qkv(config, inputs)
-            return attend(q, k, v, *operands, bm, scale=config.scale,
-                          score_mod=parts(config)[1], score_mod_args=inputs.score_mod_args,
-                          implementation=IMPLEMENTATION, unseen_rows=config.unseen_rows,
-                          layout=config.layout)
+            score_mod, args = in_segments(config, parts(config)[1], inputs.score_mod_args,
+                                          score=True, inputs=inputs)
+            return attend(q, k, v, *operands, bm, scale=config.scale, score_mod=score_mod,
+                          score_mod_args=args, implementation=IMPLEMENTATION,
+                          unseen_rows=config.unseen_rows, layout=config.layout)
         # (under Explicit axes the map's and the list walks' gathers run with the axes
         # Auto, as the XLA backend's tiles do)
         return partitioning.in_auto_axes(run, inputs.q, out_specs, inputs, *operands)
@@ -246,7 +266,8 @@ class BlockSparseBackend(native_op.NativeBackend):
 
         def attend(*args, **kw):
             dq, dk, dv, d_args = block_sparse_attention_backward(*args, **kw)
-            return (*pack_like_inputs(config, dq, dk, dv), d_args)
+            # (without the segments' positions `in_segments` appended)
+            return (*pack_like_inputs(config, dq, dk, dv), d_args[:len(floats)])
         dq, dk, dv, d_args = self._run(
             config, inputs, attend,
             lambda: jax.tree_util.tree_map(lambda x: jax.typeof(x).sharding.spec, primal),

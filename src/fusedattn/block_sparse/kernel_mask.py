@@ -18,7 +18,7 @@ import numpy as np
 from .dependence import specs_of
 from .hoisting import Unsupported, hoist  # (Unsupported: this module's error too)
 from .kernel_parts import WORD, whole
-from .terms import Dense, ElementMask, Intervals, MaskMod, Segments, row_at
+from .terms import Dense, ElementMask, InSegments, Intervals, MaskMod, Segments
 
 
 class KernelMask(NamedTuple):
@@ -122,9 +122,7 @@ def _hoisted(term: MaskMod, element: ElementMask, q_arrays: List, kv_arrays: Lis
     fn, args = term.fn, term.args
     if term.q_pos is not None:
         # packed positions are per-row / per-column reads too: hoisted with the rest
-        args = args + (term.q_pos, term.kv_pos)
-        fn = (lambda b, h, q, kv, *xs, inner=term.fn:
-              inner(b, h, row_at(xs[-2], b, q), row_at(xs[-1], b, kv), *xs[:-2]))
+        fn, args = InSegments(fn), args + (term.q_pos, term.kv_pos)
     split = hoist(fn, specs_of(args), term.batch, term.heads, element.s_q, element.s_kv)
     rows, cols = split.values(args)
     a, c = len(q_arrays), len(kv_arrays)

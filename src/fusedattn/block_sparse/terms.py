@@ -38,6 +38,28 @@ def row_at(a, b, i):
     return a[b, xp.clip(i, 0, a.shape[1] - 1)]
 
 
+class InSegments:
+    """`fn` (a mask_mod, or with `score` a score_mod taking the score first) seeing
+    positions inside packed segments: it is called with raw positions, and the
+    segments' positions come as its last two args (``[B|1, s_q]``, ``[B|1, s_kv]``), read
+    per row and per column like any array. Equal for equal functions, so caches keyed
+    on it hold."""
+
+    def __init__(self, fn, score: bool = False):
+        self.fn, self.score = fn, score
+
+    def __call__(self, *a):
+        k = 1 if self.score else 0
+        (b, h, i, j), (*args, q_pos, kv_pos) = a[k:k + 4], a[k + 4:]
+        return self.fn(*a[:k], b, h, row_at(q_pos, b, i), row_at(kv_pos, b, j), *args)
+
+    def __eq__(self, other):
+        return isinstance(other, InSegments) and (other.fn, other.score) == (self.fn, self.score)
+
+    def __hash__(self):
+        return hash((InSegments, self.fn, self.score))
+
+
 @_pytree
 class MaskMod:
     """``fn(b, h, q_idx, kv_idx, *args)``; with `q_pos` / `kv_pos` ``[B|1, s]`` the
