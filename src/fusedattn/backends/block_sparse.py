@@ -19,8 +19,9 @@ segments (per-row key intervals; such a call's map is built on the device): padd
 query rows see no key, so they give 0. Under packing the mask_mod and score_mod see
 positions inside the segments (read per row and column, `terms.InSegments`). The
 config's score_mod (if any) runs inside the kernel, its array reads hoisted per row,
-column or (batch, head). Anything else is a reason, and dispatch moves on; `supports` decides from the config alone
-(shapes and dtypes of the arrays), cached per config.
+column or (batch, head). q, k, v may be bshd or sbhd (read in place) or packed (sliced
+apart). Anything else is a reason, and dispatch moves on; `supports` decides from the
+config alone (shapes and dtypes of the arrays), cached per config.
 """
 from __future__ import annotations
 
