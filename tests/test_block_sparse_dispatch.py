@@ -23,8 +23,7 @@ from fusedattn.inputs import mask_as_bias
 from fusedattn.validation import build_call
 from support import oracle
 from support import block_sparse_cases as bs_cases
-from support.block_sparse_cases import (PACKED, check_packed, doc_ids, in_layout,
-                                        jax_nn_oracle, packed_case, rel_error)
+from support.block_sparse_cases import doc_ids, jax_nn_oracle, rel_error
 
 B, S, H, H_KV, D = 2, 256, 4, 2, 64
 TOL_OUT, TOL_GRAD = 2e-2, 4e-2  # bf16 against float64 (test_block_sparse_attention's)
@@ -103,36 +102,6 @@ def test_documents_and_causal_through_fused_attn_with_mqa(hopper):
     got = _run(call, q, k, v, do, doc, jit=True)
     visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
     _check(got, jax_nn_oracle(q, k, v, do, visible, causal=True)[:4])
-
-
-@pytest.mark.parametrize("layout", ["sbhd", "bs3hd", "bshd_bs2hd", "sbhd_sb2hd"])
-def test_documents_in_other_layouts(hopper, layout):
-    """Sequence-first and packed q, k, v run the same kernels (sbhd read in place,
-    packed arrays sliced apart): output and gradients in the caller's layout."""
-    q, k, v, do = _qkvo(h_kv=H if "3" in layout else H_KV)
-    doc = _docs()
-    kw = dict(layout=layout, mask_mod=same_doc)
-    _route(fusedattn.explain(*in_layout(layout, q, k, v)[0], score_mod_args=(doc,), **kw),
-           hopper)
-
-    def call(q, k, v, doc):
-        args, back = in_layout(layout, q, k, v)
-        return back(fusedattn.fused_attn(*args, score_mod_args=(doc,), **kw))
-    got = _run(call, q, k, v, do, doc, jit=True)
-    visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
-    _check(got, jax_nn_oracle(q, k, v, do, visible)[:4])
-
-
-# ---- packed segments: the mask_mod and score_mod see positions inside them ----------------
-@pytest.mark.parametrize("case", sorted(PACKED))
-def test_packed_segments_run_here(hopper, case):
-    """Packed sequences with a mask_mod or score_mod (positions inside each segment, as
-    fused_attn defines them) run the block-sparse kernels; the XLA backend in float32 is
-    the reference, gradients of q, k, v and of a table included. Padding gives 0."""
-    q, k, v, do = _qkvo(h_kv=H_KV)
-    seq, opts, args = packed_case(case, B, S)
-    _route(fusedattn.explain(q, k, v, score_mod_args=args, **opts), hopper)
-    check_packed(q, k, v, do, seq, opts, args)
 
 
 # ---- score_mods reading arrays (the documents mask above) ----------------------------------------------------------
