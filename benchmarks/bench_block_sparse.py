@@ -28,7 +28,9 @@ and dO (``layout="sbhd"``, transposed to bshd around the kernels); "documents_ca
 ``(ids[b, q] == ids[b, kv]) & (kv <= q)`` (its map counts ids, the diagonal's blocks
 evaluated pair by pair); "documents:packed" declares the same sorted ids as packed
 segments (`SequenceDescriptor`, built in the step), which run on cuDNN's THD or FA3's
-variable-length kernels by measurement.
+variable-length kernels by measurement; "documents_prefix:packed" adds a prefix-LM
+mask_mod inside each packed document (positions inside the segments, as `fused_attn`
+gives them; torch reads them from a position tensor).
 torch flex_attention (torch.compile, create_block_mask built once outside the timing)
 runs in a child process, timed the same way.
 
@@ -56,6 +58,7 @@ from fusedattn.sequence import SequenceDescriptor
 
 B, S, H, D = 4, 4096, 16, 128
 WINDOW, PREFIX, DOCS = 512, 1024, (512, 1024, 512, 2048)
+DOC_PREFIX = 128   # the prefix-LM inside each document of the packed row
 
 
 def _doc_ids():
@@ -71,6 +74,11 @@ def _visible_pairs(name):
         m = (j <= i) | (j < PREFIX)
     elif name.startswith("causal"):
         m = j <= i
+    elif name.startswith("documents_prefix"):
+        ids = _doc_ids()[0]
+        pos = np.arange(S) - np.searchsorted(ids, ids)   # positions inside each document
+        m = (ids[:, None] == ids[None, :]) & ((pos[None, :] <= pos[:, None])
+                                              | (pos[None, :] < DOC_PREFIX))
     else:
         ids = _doc_ids()[0]
         m = ids[:, None] == ids[None, :]
@@ -85,6 +93,10 @@ def window_mod(b, h, i, j):
 
 def prefix_mod(b, h, i, j):
     return (j <= i) | (j < PREFIX)
+
+
+def doc_prefix_mod(b, h, i, j):   # i, j inside a packed segment
+    return (j <= i) | (j < DOC_PREFIX)
 
 
 def doc_mod(b, h, i, j, ids):
@@ -123,6 +135,9 @@ def cases():
     def documents_ids(q, k, v, ids):   # the same ids through the map builder, by name
         return block_sparse_attention(q, k, v, bs.from_segment_ids(ids, pad_id=None))
 
+    def documents_prefix_packed(q, k, v, ids):   # a prefix-LM inside each packed document
+        return fusedattn.fused_attn(q, k, v, sequence=_packed(ids), mask_mod=doc_prefix_mod)
+
     def documents_packed(q, k, v, ids):   # sorted ids declared as packed (THD) segments
         return fusedattn.fused_attn(q, k, v, sequence=_packed(ids))
 
@@ -157,6 +172,7 @@ def cases():
             "prefix_lm": prefix, "documents": documents,
             "documents:sbhd": documents_sbhd,
             "documents:segment_ids": documents_ids, "documents:packed": documents_packed,
+            "documents_prefix:packed": documents_prefix_packed,
             "documents_dense_mask": dense_mask,
             "documents_dense_mask:built_in_step": documents_built_in_step,
             "documents_causal": documents_causal,
@@ -233,8 +249,9 @@ def _step(fn, mode, q, k, v, do, extra):
 
 # The masks as torch flex_attention mask_mods (`torch_flex` runs and times them).
 TORCH_CASES = r'''
-W, P = %d, %d
+W, P, DOC_PREFIX = %d, %d, %d
 ids = torch.tensor(%s, device="cuda", dtype=torch.int32)
+pos = torch.arange(ids.numel(), device="cuda", dtype=torch.int32) - torch.searchsorted(ids, ids).int()
 slopes = torch.tensor(%s, device="cuda", dtype=torch.float32)
 doc_scale = torch.tensor(%s, device="cuda", dtype=torch.float32)
 t5_table = torch.tensor(%s, device="cuda", dtype=torch.float32)
@@ -244,6 +261,8 @@ cases = {
   "prefix_lm": (None, lambda b, h, i, j: (j <= i) | (j < P)),
   "documents": (None, lambda b, h, i, j: ids[i] == ids[j]),
   "documents_causal": (None, lambda b, h, i, j: (ids[i] == ids[j]) & (j <= i)),
+  "documents_prefix": (None, lambda b, h, i, j: (ids[i] == ids[j])
+                       & ((pos[j] <= pos[i]) | (pos[j] < DOC_PREFIX))),
   "causal": (None, lambda b, h, i, j: j <= i),
   "sliding_window+alibi": (lambda s, b, h, i, j: s + slopes[h] * (j - i),
                            lambda b, h, i, j: (j <= i) & (i - j < W)),
@@ -256,7 +275,7 @@ cases = {
 
 
 def torch_times() -> dict:
-    cases = TORCH_CASES % (WINDOW, PREFIX, json.dumps(_doc_ids()[0].tolist()),
+    cases = TORCH_CASES % (WINDOW, PREFIX, DOC_PREFIX, json.dumps(_doc_ids()[0].tolist()),
                            json.dumps(np.asarray(SLOPES).tolist()),
                            json.dumps(np.asarray(DOC_SCALE).tolist()),
                            json.dumps(np.asarray(T5_TABLE).tolist()), json.dumps(_t5_buckets()),
@@ -287,12 +306,14 @@ def main():
                       "prefix_lm": route(mask_mod=prefix_mod),
                       "documents": route(mask_mod=doc_mod, score_mod_args=(ids,)),
                       "documents:packed": route(sequence=_packed(ids)),
+                      "documents_prefix:packed": route(sequence=_packed(ids),
+                                                       mask_mod=doc_prefix_mod),
                       "documents_causal": route(mask_mod=doc_causal_mod, score_mod_args=(ids,)),
                       "sliding_window+alibi": route(mask_mod=_window_of_args, score_mod=_alibi,
                                                     score_mod_args=(SLOPES,))}
     rows = []
     extras = {"documents": ids, "documents:sbhd": ids, "documents:segment_ids": ids,
-              "documents:packed": ids,
+              "documents:packed": ids, "documents_prefix:packed": ids,
               "documents_dense_mask": dense, "documents_dense_mask:built_in_step": ids,
               "documents_causal": ids,
               "causal_dense_mask": jnp.asarray(np.tril(np.ones((S, S), bool)))[None, None],

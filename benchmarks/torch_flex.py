@@ -21,6 +21,11 @@ for t in (q, k, v):
 '''
 
 _TIMING = r'''
+# One compiled flex_attention serves every case, each a recompilation: past dynamo's
+# limit (8 by default) a case would run uncompiled.
+for limit in ("recompile_limit", "cache_size_limit"):
+    if hasattr(torch._dynamo.config, limit):
+        setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
 fa = torch.compile(flex_attention)
 def time_round(fn, reps):
     torch.cuda.synchronize(); t0 = time.perf_counter()
