@@ -100,8 +100,7 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
         full = list(args)
         for i, x in zip(floats, float_args):
             full[i] = x
-        fn, values = _score(score_mod, full, _batch(q, t),
-                            q.shape[2], s_q, s_kv)
+        fn, values = _score(score_mod, full, _batch(q, t), q.shape[2], s_q, s_kv)
         score_fn.append(fn)
         return values
     values, pullback = jax.vjp(hoisted, [args[i] for i in floats])
