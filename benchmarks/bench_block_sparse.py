@@ -26,11 +26,11 @@ jnp.equal)`` does (it runs as a mask_mod over the ids, `tracing.mask_program`).
 calls the kernels by name; "documents:sbhd" gives the mask_mod sequence-first q, k, v
 and dO (``layout="sbhd"``, which the kernels read in place); "documents_causal" is flex's
 causal documents mask_mod, ``(ids[b, q] == ids[b, kv]) & (kv <= q)`` (its map counts
-ids, the diagonal's blocks evaluated pair by pair); "documents:packed" declares the same sorted ids as packed
-segments (`SequenceDescriptor`, built in the step), which run on cuDNN's THD or FA3's
-variable-length kernels by measurement; "documents_prefix:packed" adds a prefix-LM
-mask_mod inside each packed document (positions inside the segments, as `fused_attn`
-gives them; torch reads them from a position tensor).
+ids, the diagonal's blocks evaluated pair by pair); "documents:packed" declares the same
+sorted ids as packed segments (`SequenceDescriptor`, built in the step), which run on
+cuDNN's THD or FA3's variable-length kernels by measurement; "documents_prefix:packed"
+adds a prefix-LM mask_mod inside each packed document (positions inside the segments,
+as `fused_attn` gives them; torch reads them from a position tensor).
 torch flex_attention (torch.compile, create_block_mask built once outside the timing)
 runs in a child process, timed the same way.
 
