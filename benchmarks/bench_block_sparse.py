@@ -251,7 +251,8 @@ def _step(fn, mode, q, k, v, do, extra):
 TORCH_CASES = r'''
 W, P, DOC_PREFIX = %d, %d, %d
 ids = torch.tensor(%s, device="cuda", dtype=torch.int32)
-pos = torch.arange(ids.numel(), device="cuda", dtype=torch.int32) - torch.searchsorted(ids, ids).int()
+pos = torch.arange(ids.numel(), device="cuda", dtype=torch.int32)
+pos = pos - torch.searchsorted(ids, ids).int()   # positions inside each (sorted) document
 slopes = torch.tensor(%s, device="cuda", dtype=torch.float32)
 doc_scale = torch.tensor(%s, device="cuda", dtype=torch.float32)
 t5_table = torch.tensor(%s, device="cuda", dtype=torch.float32)
