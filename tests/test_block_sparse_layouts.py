@@ -13,7 +13,8 @@ import pytest
 
 import fusedattn
 from support.block_sparse_cases import (PACKED, check_packed, doc_ids, in_layout,
-                                        jax_nn_oracle, packed_case, rel_error)
+                                        jax_nn_oracle, packed_case, prefix_in_segment,
+                                        rel_error, slopes_in_segment)
 
 B, S, H, H_KV, D = 2, 256, 4, 2, 64
 
@@ -61,3 +62,24 @@ def test_packed_segments_run_here(hopper_reference, case):
     assert plan.chosen == "block_sparse", str(plan)
     assert "the packed segments" in str(plan)
     check_packed(q, k, v, do, seq, opts, args)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(mask_mod=prefix_in_segment),
+    dict(mask="causal_bottom_right", score_mod=slopes_in_segment),
+    dict(mask="causal", window=(30, 0), mask_mod=prefix_in_segment)],
+    ids=["prefix", "bottom-right + slopes", "causal window + prefix"])
+def test_packed_query_and_key_segments_differ(hopper_reference, opts):
+    """Cross-attention packing: query segment n of a row sees key segment n, s_q != s_kv,
+    and the built-in masks align inside the segments; against the XLA backend."""
+    qi, ki = np.zeros((B, S), np.int32), np.zeros((B, S + 128), np.int32)
+    qi[0, :200], ki[0] = np.repeat([1, 2], [120, 80]), np.repeat([1, 2], [200, 184])
+    qi[1], ki[1, :300] = np.repeat([1, 2, 3], [50, 100, 106]), np.repeat([1, 2, 3], [100] * 3)
+    seq = fusedattn.SequenceDescriptor.from_segment_ids(jnp.asarray(qi), jnp.asarray(ki),
+                                                        max_segments=3)
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, do = (jax.random.normal(kk, (B, S, H, D), jnp.bfloat16) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (B, S + 128, H_KV, D), jnp.bfloat16) for kk in keys[2:])
+    opts = dict(opts, sequence=seq)
+    assert fusedattn.explain(q, k, v, **opts).chosen == "block_sparse"
+    check_packed(q, k, v, do, seq, opts, ())
