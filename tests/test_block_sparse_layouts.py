@@ -83,3 +83,17 @@ def test_packed_query_and_key_segments_differ(hopper_reference, opts):
     opts = dict(opts, sequence=seq)
     assert fusedattn.explain(q, k, v, **opts).chosen == "block_sparse"
     check_packed(q, k, v, do, seq, opts, ())
+
+
+def test_packed_t5_table_is_refused_with_its_reason(hopper_reference):
+    """Under packing a T5 table read by ``i - j`` inside the segments reads by two hoisted
+    values: block_sparse refuses it and says why (not "this call has none")."""
+    from fusedattn import score_mods
+    seq, _, _ = packed_case("prefix mask_mod", B, S)
+    q = jnp.zeros((B, S, H, D), jnp.bfloat16)
+    t5 = lambda s, b, h, i, j, t: s + t[h, score_mods.t5_bucket(i, j)]  # noqa: E731
+    plan = fusedattn.explain(q, q, q, sequence=seq, mask="causal", score_mod=t5,
+                             score_mod_args=(jnp.zeros((H, 32)),))
+    why = dict(plan.reasons)["block_sparse"]
+    assert plan.chosen != "block_sparse"
+    assert "depends on both q_idx and kv_idx" in why and "not hoisted either" in why, why

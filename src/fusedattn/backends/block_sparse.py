@@ -76,7 +76,9 @@ def config_reason(config: AttnConfig) -> Optional[str]:
     """What the kernels cannot run, from the config alone (None: they can)."""
     mask_mod, _ = parts(config)
     rules = (
-        (mask_mod is None and not config.has_dense_mask and not _score_by_position(config),
+        # (a score_mod with no in-kernel form: `args_reason` below says why)
+        (mask_mod is None and not config.has_dense_mask and not _score_by_position(config)
+         and args_reason(config) is None,
          "runs a mask_mod's or a dense boolean mask's block map, or a score_mod reading "
          "arrays by position; this call has none (cudnn and flash skip the built-in "
          "masks' blocks)"),
@@ -140,7 +142,9 @@ def args_reason(config: AttnConfig) -> Optional[str]:
             kernel_score.split(*in_segments(config, score_mod, specs, score=True),
                                config.batch, config.h_q, config.s_q, config.s_kv)
         except Unsupported as e:
-            return str(e)
+            return str(e) + (" (under packed sequences the positions inside the segments "
+                             "are read per row and column, so reads by q_idx - kv_idx "
+                             "are not hoisted either)" if config.is_packed else "")
         if mask_mod is None or not mask_reads(config).args:
             return None
         reads = mask_reads(config)
