@@ -21,7 +21,7 @@ from ..inputs import value_mean
 from . import kernel_bwd, kernel_fwd, reference, unseen_rows as unseen
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
-from .kernel_parts import BLOCK, whole
+from .kernel_parts import BLOCK, batch_tokens, whole
 from .kernel_score import kernel_score
 
 IMPLEMENTATIONS = ("mosaic", "reference")
@@ -100,7 +100,8 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
         full = list(args)
         for i, x in zip(floats, float_args):
             full[i] = x
-        fn, values = _score(score_mod, full, _batch(q, t), q.shape[2], s_q, s_kv)
+        fn, values = _score(score_mod, full, batch_tokens(q, t == 0)[0], q.shape[2], s_q,
+                            s_kv)
         score_fn.append(fn)
         return values
     values, pullback = jax.vjp(hoisted, [args[i] for i in floats])
@@ -131,7 +132,8 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_
         fill = jax.lax.stop_gradient(value_mean(
             _bshd(v_real, t == 0), q.shape[2],
             lambda x: unseen.gated_token_sum(x, flag, kernel=impl == "mosaic" and t == 1)))
-    score, values = _score(score_mod, score_mod_args, _batch(q, t), q.shape[2], s_q, s_kv)
+    score, values = _score(score_mod, score_mod_args, batch_tokens(q, t == 0)[0], q.shape[2],
+                           s_q, s_kv)
     out, lse2 = _attention(fn, scale, score, impl, mean_over, t == 0, q, k, v, fill, values,
                            ints + (flag,))
     return _cut(out, s_q, t), lse2[..., :s_q]
@@ -141,10 +143,6 @@ def _token_axis(layout: str) -> int:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     return 1 if layout == "bshd" else 0
-
-
-def _batch(x, t: int) -> int:
-    return x.shape[1 - t]
 
 
 def _bshd(x, seq_first: bool):
@@ -314,9 +312,9 @@ def _check(q, k, v, bm: BlockMap, t: int):
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(f"q, k, v must be {'bshd' if t else 'sbhd'} with k.shape == v.shape, "
                          f"got {q.shape}, {k.shape}, {v.shape}")
-    b, s_q, h_q, d = _batch(q, t), q.shape[t], q.shape[2], q.shape[3]
+    (b, s_q), h_q, d = batch_tokens(q, t == 0), q.shape[2], q.shape[3]
     s_kv = k.shape[t]
-    if _batch(k, t) != b or k.shape[3] != d or h_q % k.shape[2]:
+    if batch_tokens(k, t == 0)[0] != b or k.shape[3] != d or h_q % k.shape[2]:
         raise ValueError(f"k/v {k.shape} do not fit q {q.shape} (h_q must be a multiple of h_kv)")
     if tuple(bm.block) != (BLOCK, BLOCK):
         raise ValueError(f"block_sparse_attention needs a map of {BLOCK}x{BLOCK} blocks, "
