@@ -30,7 +30,9 @@ ids, the diagonal's blocks evaluated pair by pair); "documents:packed" declares 
 sorted ids as packed segments (`SequenceDescriptor`, built in the step), which run on
 cuDNN's THD or FA3's variable-length kernels by measurement; "documents_prefix:packed"
 adds a prefix-LM mask_mod inside each packed document (positions inside the segments,
-as `fused_attn` gives them; torch reads them from a position tensor).
+as `fused_attn` gives them; torch reads them from a position tensor);
+"documents_causal+t5_bias:packed" reads a T5 table by the bucket of the positions'
+difference, causal inside each packed document (by diagonals: the segments are shared).
 torch flex_attention (torch.compile, create_block_mask built once outside the timing)
 runs in a child process, timed the same way.
 
@@ -138,6 +140,10 @@ def cases():
     def documents_prefix_packed(q, k, v, ids):   # a prefix-LM inside each packed document
         return fusedattn.fused_attn(q, k, v, sequence=_packed(ids), mask_mod=doc_prefix_mod)
 
+    def documents_causal_t5_packed(q, k, v, ids):   # a T5 table, causal, in packed documents
+        return fusedattn.fused_attn(q, k, v, sequence=_packed(ids), mask="causal",
+                                    score_mod=_t5, score_mod_args=(T5_TABLE,))
+
     def documents_packed(q, k, v, ids):   # sorted ids declared as packed (THD) segments
         return fusedattn.fused_attn(q, k, v, sequence=_packed(ids))
 
@@ -173,6 +179,7 @@ def cases():
             "documents:sbhd": documents_sbhd,
             "documents:segment_ids": documents_ids, "documents:packed": documents_packed,
             "documents_prefix:packed": documents_prefix_packed,
+            "documents_causal+t5_bias:packed": documents_causal_t5_packed,
             "documents_dense_mask": dense_mask,
             "documents_dense_mask:built_in_step": documents_built_in_step,
             "documents_causal": documents_causal,
@@ -249,7 +256,7 @@ def _step(fn, mode, q, k, v, do, extra):
 
 # The masks as torch flex_attention mask_mods (`torch_flex` runs and times them).
 TORCH_CASES = r'''
-W, P, DOC_PREFIX = %d, %d, %d
+W, P, DOC_PREFIX, T5_D0 = %d, %d, %d, %d
 ids = torch.tensor(%s, device="cuda", dtype=torch.int32)
 pos = torch.arange(ids.numel(), device="cuda", dtype=torch.int32)
 pos = pos - torch.searchsorted(ids, ids).int()   # positions inside each (sorted) document
@@ -269,18 +276,20 @@ cases = {
                            lambda b, h, i, j: (j <= i) & (i - j < W)),
   "documents+document_scale": (lambda s, b, h, i, j: s * doc_scale[ids[i]],
                                lambda b, h, i, j: ids[i] == ids[j]),
-  "causal+t5_bias": (lambda s, b, h, i, j: s + t5_table[h, t5_bucket[i - j + %d]],
+  "causal+t5_bias": (lambda s, b, h, i, j: s + t5_table[h, t5_bucket[i - j + T5_D0]],
                      lambda b, h, i, j: j <= i),
+  "documents_causal+t5_bias": (
+      lambda s, b, h, i, j: s + t5_table[h, t5_bucket[pos[i] - pos[j] + T5_D0]],
+      lambda b, h, i, j: (ids[i] == ids[j]) & (j <= i)),
 }
 '''
 
 
 def torch_times() -> dict:
-    cases = TORCH_CASES % (WINDOW, PREFIX, DOC_PREFIX, json.dumps(_doc_ids()[0].tolist()),
+    cases = TORCH_CASES % (WINDOW, PREFIX, DOC_PREFIX, S - 1, json.dumps(_doc_ids()[0].tolist()),
                            json.dumps(np.asarray(SLOPES).tolist()),
                            json.dumps(np.asarray(DOC_SCALE).tolist()),
-                           json.dumps(np.asarray(T5_TABLE).tolist()), json.dumps(_t5_buckets()),
-                           S - 1)
+                           json.dumps(np.asarray(T5_TABLE).tolist()), json.dumps(_t5_buckets()))
     return torch_flex.times(B, S, H, D, cases)
 
 
@@ -310,11 +319,15 @@ def main():
                       "documents_prefix:packed": route(sequence=_packed(ids),
                                                        mask_mod=doc_prefix_mod),
                       "documents_causal": route(mask_mod=doc_causal_mod, score_mod_args=(ids,)),
+                      "documents_causal+t5_bias:packed": route(
+                          sequence=_packed(ids), mask="causal", score_mod=_t5,
+                          score_mod_args=(T5_TABLE,)),
                       "sliding_window+alibi": route(mask_mod=_window_of_args, score_mod=_alibi,
                                                     score_mod_args=(SLOPES,))}
     rows = []
     extras = {"documents": ids, "documents:sbhd": ids, "documents:segment_ids": ids,
               "documents:packed": ids, "documents_prefix:packed": ids,
+              "documents_causal+t5_bias:packed": ids,
               "documents_dense_mask": dense, "documents_dense_mask:built_in_step": ids,
               "documents_causal": ids,
               "causal_dense_mask": jnp.asarray(np.tril(np.ones((S, S), bool)))[None, None],

@@ -85,15 +85,26 @@ def test_packed_query_and_key_segments_differ(hopper_reference, opts):
     check_packed(q, k, v, do, seq, opts, ())
 
 
-def test_packed_t5_table_is_refused_with_its_reason(hopper_reference):
-    """Under packing a T5 table read by ``i - j`` inside the segments reads by two hoisted
-    values: block_sparse refuses it and says why (not "this call has none")."""
+def test_packed_t5_table_runs_by_diagonals_only_over_shared_segments(hopper_reference):
+    """A T5 table under packing: with one set of segments for queries and keys it runs
+    here (its reads per run of diagonals: `PACKED`'s T5 case checks the numbers); with
+    query and key segments of their own, or with a position read besides q_idx - kv_idx,
+    it is refused, and the reason says why (not "this call has none")."""
     from fusedattn import score_mods
     seq, _, _ = packed_case("prefix mask_mod", B, S)
     q = jnp.zeros((B, S, H, D), jnp.bfloat16)
+    table = (jnp.zeros((H, 32)),)
     t5 = lambda s, b, h, i, j, t: s + t[h, score_mods.t5_bucket(i, j)]  # noqa: E731
-    plan = fusedattn.explain(q, q, q, sequence=seq, mask="causal", score_mod=t5,
-                             score_mod_args=(jnp.zeros((H, 32)),))
-    why = dict(plan.reasons)["block_sparse"]
-    assert plan.chosen != "block_sparse"
-    assert "depends on both q_idx and kv_idx" in why and "not hoisted either" in why, why
+    shared = fusedattn.explain(q, q, q, sequence=seq, mask="causal", score_mod=t5,
+                               score_mod_args=table)
+    assert shared.chosen == "block_sparse", str(shared)
+    ids = np.asarray(seq.q_segment_ids)
+    cross = fusedattn.SequenceDescriptor.from_segment_ids(jnp.asarray(ids), jnp.asarray(ids),
+                                                          max_segments=3)
+    near = lambda s, b, h, i, j, t: t5(s, b, h, i, j, t) + (i < 8)  # noqa: E731
+    for seq_, fn in ((cross, t5), (seq, near)):
+        plan = fusedattn.explain(q, q, q, sequence=seq_, mask="causal", score_mod=fn,
+                                 score_mod_args=table)
+        why = dict(plan.reasons)["block_sparse"]
+        assert plan.chosen != "block_sparse"
+        assert "depends on both q_idx and kv_idx" in why and "are the same" in why, why

@@ -22,7 +22,7 @@ from fusedattn.block_sparse import hoisting, kernel_score
 from fusedattn.block_sparse.hoisting import Unsupported
 from fusedattn.block_sparse.reference import diagonal_tiles
 from support.score_read_fuzz import (ARRAYS, B, F32, H, IDX, L, S_KV, S_Q, SCORE, arg_specs,
-                                     pick, program, side_int)
+                                     difference_program, pick, program, side_int)
 
 N_PROGRAMS, N_GRAD = 150, 40
 _FAST = {"xla_backend_optimization_level": 0}  # (the programs are tiny; compiling dominates)
@@ -364,3 +364,25 @@ def test_operations_on_read_values_are_named():
     with pytest.raises(Unsupported, match="its cumsum of values of the score is no elementwise"):
         kernel_score.split(lambda s, b, h, q, kv, t: jnp.cumsum(s + t[b, q], axis=-1),
                            arg_specs([t]), B, H, S_Q, S_KV)
+
+
+# ---- reads by q_idx - kv_idx alone (what runs by diagonals over packed segments) ---------
+@pytest.mark.parametrize("seed", range(60))
+def test_by_difference_claims_only_shift_invariant_score_mods(seed):
+    """`hoisting.by_difference` over generated score_mods: a program it passes gives the
+    same scores, bit for bit, with q_idx and kv_idx both shifted (what running it on raw
+    positions over shared packed segments relies on); one with a term of a position alone
+    is refused, as are the general generator's programs that read by position."""
+    fn, args, spoiled = difference_program(seed)
+    specs = arg_specs(args)
+    claimed = hoisting.by_difference(fn, specs, B, H, S_Q, S_KV)
+    assert claimed != spoiled, ("spoiled" if spoiled else "pure") + f" program {seed}"
+    general, general_args = program(seed)
+    if hoisting.by_difference(general, arg_specs(general_args), B, H, S_Q, S_KV):
+        fn, args, claimed = general, general_args, True
+    if claimed:
+        b, h, q, kv = IDX
+        want = np.asarray(fn(SCORE, b, h, q, kv, *args))
+        for shift in (1, 3, 11):
+            got = np.asarray(fn(SCORE, b, h, q + shift, kv + shift, *args))
+            np.testing.assert_array_equal(got, want, err_msg=f"shift {shift}")

@@ -215,10 +215,17 @@ def slopes_in_segment(s, b, h, i, j):
     return s - 0.05 * (h + 1) * jnp.abs(i - j)
 
 
+def t5_in_segment(s, b, h, i, j, table):
+    """A T5 table (one row for all heads) by the bucket of q_idx - kv_idx: under segments
+    shared by queries and keys it is read per run of diagonals."""
+    return s + table[score_mods.t5_bucket(i, j, 32, 64)]
+
+
 PACKED = {"prefix mask_mod": dict(mask_mod=prefix_in_segment),
           "table score_mod, causal": dict(mask="causal", score_mod=by_segment_position),
           "positions score_mod, prefix mask_mod": dict(mask_mod=prefix_in_segment,
-                                                       score_mod=slopes_in_segment)}
+                                                       score_mod=slopes_in_segment),
+          "T5 table score_mod, causal": dict(mask="causal", score_mod=t5_in_segment)}
 
 
 def packed_case(case, b, s):
@@ -229,7 +236,8 @@ def packed_case(case, b, s):
         lengths = [s * 2 // 5, s // 4] + ([s - s * 2 // 5 - s // 4] if r % 2 == 0 else [])
         ids[r, :sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
     seq = fusedattn.SequenceDescriptor.from_segment_ids(jnp.asarray(ids), max_segments=3)
-    table = 0.3 * jax.random.normal(jax.random.key(5), (s,), jnp.float32)
+    table = 0.3 * jax.random.normal(jax.random.key(5), (32 if "T5" in case else s,),
+                                    jnp.float32)
     return seq, dict(PACKED[case], sequence=seq), ((table,) if "table" in case else ())
 
 

@@ -335,3 +335,36 @@ def program(seed):
         e.update(s=s, b=b, h=h, q=q, kv=kv)
         return top(e)
     return fn, tuple(ARRAYS[n] for n in names)
+
+
+def difference_program(seed):
+    """(score_mod, args, spoiled): a random score_mod of the score, reads by q_idx - kv_idx
+    and reads by (b, h); `spoiled` ones add a term of one position alone (a row or column
+    read, a comparison, a product), so they read positions otherwise than by the
+    difference."""
+    rng = np.random.default_rng(seed)
+    names = ("gate", "pos", "tb", "temp", "th", "vb", "vh")
+    avail = set(names)
+    terms = [pick(rng, (_diag_float, _bh_float))(rng, avail) for _ in range(int(rng.integers(1, 4)))]
+    d = lambda e: e["q"] - e["kv"]  # noqa: E731
+    c = int(rng.integers(1, 4))
+    combine = pick(rng, (
+        lambda e: sum(t(e) for t in terms) + e["s"],
+        lambda e: e["s"] * (1.0 + 0.1 * jnp.tanh(terms[0](e))) + sum(t(e) for t in terms[1:]),
+        lambda e: jnp.where(jnp.abs(d(e)) < c, e["s"] + terms[0](e), e["s"] - 1.0),
+        lambda e: jnp.maximum(e["s"], terms[-1](e)) - (d(e) * d(e)).astype(F32) * 0.01,
+    ))
+    spoiled = bool(rng.random() < 0.4)
+    spoil = pick(rng, (
+        lambda e: e["tb"][e["b"], jnp.clip(e["q"], 0, L - 1)],
+        lambda e: jnp.where(e["kv"] < c, 0.5, 0.0),
+        lambda e: (e["q"] * 2 - e["kv"]).astype(F32) * 0.01,
+        lambda e: (e["q"] + e["kv"]).astype(F32) * 0.01,
+        lambda e: e["th"][e["h"], (e["q"] - e["kv"] + e["q"]) % L],
+    ))
+
+    def fn(s, b, h, q, kv, *arrays):
+        e = dict(zip(names, arrays))
+        e.update(s=s, b=b, h=h, q=q, kv=kv)
+        return combine(e) + (spoil(e) if spoiled else 0.0)
+    return fn, tuple(ARRAYS[n] for n in names), spoiled

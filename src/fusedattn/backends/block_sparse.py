@@ -17,7 +17,8 @@ cuDNN's graph has no block list: a mask it does not recognise runs every tile th
 The built-in causal mask and window are ANDed in, and so are padding lengths and packed
 segments (per-row key intervals; such a call's map is built on the device): padded
 query rows see no key, so they give 0. Under packing the mask_mod and score_mod see
-positions inside the segments (read per row and column, `terms.InSegments`). The
+positions inside the segments (read per row and column, `terms.InSegments`; a score_mod
+of q_idx - kv_idx alone over shared segments reads by diagonals, `in_segments`). The
 config's score_mod (if any) runs inside the kernel, its array reads hoisted per row,
 column or (batch, head). q, k, v may be bshd or sbhd (read in place) or packed (sliced
 apart). Anything else is a reason, and dispatch moves on; `supports` decides from the
@@ -39,7 +40,7 @@ from ..block_sparse.attention import (block_sparse_attention_backward,
 from ..block_sparse.builders import from_element
 from ..block_sparse.dependence import Reads, mask_mod_reads
 from ..block_sparse import kernel_score
-from ..block_sparse.hoisting import MASK, Unsupported, reason
+from ..block_sparse.hoisting import MASK, Unsupported, by_difference, reason
 from ..block_sparse.kernel_parts import BLOCK
 from ..block_sparse.terms import Dense, ElementMask, InSegments, MaskMod
 from ..config import AttnConfig
@@ -63,8 +64,12 @@ def parts(config: AttnConfig):
 def in_segments(config: AttnConfig, fn, args, score: bool, inputs=None):
     """(`fn`, its args) as the kernels run them: under packed sequences `fn` sees the
     segments' positions, appended to its args (`InSegments`). `args` are the call's
-    arrays (`inputs` its AttnInputs), or their specs when `inputs` is None."""
-    if fn is None or not config.is_packed:
+    arrays (`inputs` its AttnInputs), or their specs when `inputs` is None.
+
+    A score_mod of ``q_idx - kv_idx`` alone (a T5 table, ALiBi) under segments shared
+    by queries and keys runs as it is: a visible pair lies in one segment, so its
+    positions there differ by what the raw ones do, and its reads stay per diagonal."""
+    if fn is None or not config.is_packed or (score and _score_by_difference(config)):
         return fn, tuple(args)
     positions = ([jax.ShapeDtypeStruct((config.batch, n), jnp.int32)
                   for n in (config.s_q, config.s_kv)] if inputs is None else
@@ -120,6 +125,20 @@ def mask_reads(config: AttnConfig) -> Reads:
 
 
 @functools.lru_cache(maxsize=256)
+def _score_by_difference(config: AttnConfig) -> bool:
+    """Whether the score_mod, under segments shared by queries and keys, reads positions
+    only through q_idx - kv_idx (`hoisting.by_difference`)."""
+    score_mod = parts(config)[1]
+    if score_mod is None or not config.shared_segments:
+        return False
+    try:
+        return by_difference(score_mod, _arg_specs(config), config.batch, config.h_q,
+                             config.s_q, config.s_kv)
+    except Exception:  # cannot be traced here: read by segment positions (`args_reason`)
+        return False
+
+
+@functools.lru_cache(maxsize=256)
 def _score_by_position(config: AttnConfig) -> bool:
     """Whether the score_mod reads arrays by a position (what cuDNN cannot run)."""
     score_mod, specs = in_segments(config, parts(config)[1], _arg_specs(config), score=True)
@@ -144,7 +163,9 @@ def args_reason(config: AttnConfig) -> Optional[str]:
         except Unsupported as e:
             return str(e) + (" (under packed sequences the positions inside the segments "
                              "are read per row and column, so reads by q_idx - kv_idx "
-                             "are not hoisted either)" if config.is_packed else "")
+                             "are hoisted only where the query and key segments are the "
+                             "same and the score_mod reads no position otherwise)"
+                             if config.is_packed else "")
         if mask_mod is None or not mask_reads(config).args:
             return None
         reads = mask_reads(config)
