@@ -337,3 +337,29 @@ def test_native_calls_lowered_without_a_gpu_carry_the_rule(monkeypatch, backend,
     fusedattn.dispatch.clear_cache()
     assert text.count("CustomSPMDPartitioning") == 2  # the training forward and the backward
     assert text.count("sdy.sharding_rule") >= 2
+
+
+@pytest.mark.parametrize("spec", [P("dp"), P(None, None, "dp")], ids=["batch", "heads"])
+def test_fp8_backward_in_groups_lowers_under_explicit_axes(monkeypatch, spec):
+    """cuDNN's causal FP8 backward runs in calls of at most 32 (batch, head) pairs,
+    sliced from the call's arrays. The body of a native call is also traced at the
+    global shapes, where those slices met batch rows split 4 ways by sharding in types
+    and were refused (4x H200: b8 h16). Lowered for CUDA on this CPU host, both splits
+    lower, the backward's groups inside the partitioned call."""
+    monkeypatch.setenv("FUSEDATTN_PLATFORM", "cuda")
+    fusedattn.dispatch.clear_cache()
+    mesh = jax.make_mesh((4,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.ShapeDtypeStruct((8, 128, 16, 64), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+
+    def loss(q, k, v):
+        out = fusedattn.fused_attn(q, k, v, mask="causal", precision="fp8", backend="cudnn")
+        return out.astype(jnp.float32).sum()
+    try:
+        with cudnn.assume_supported(workspace_bytes=1 << 20):
+            assert len(cudnn.fp8.backward_groups(build_call(
+                *(jnp.zeros(x.shape, x.dtype),) * 3, mask="causal", precision="fp8")[0])) == 4
+            text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, x, x).lower(
+                lowering_platforms=("cuda",)).as_text()
+    finally:
+        fusedattn.dispatch.clear_cache()
+    assert text.count("CustomSPMDPartitioning") == 2  # the training forward and the backward

@@ -307,17 +307,16 @@ def typed_like(x, ref):
         return jax.sharding.reshard(x, want)
 
 
-def typed_by_rule(config: AttnConfig, q_dims: Dims, q, results, dims: Sequence[Dims]):
-    """`results` of a native call on `q` (roles `dims`) typed as the rule's split leaves
-    them, where q's mesh has Explicit axes. An FFI call's results carry no sharding type;
-    an op that meets them (a dequantize) then types its own result unsharded, and the
-    partitioner gathers the call's results to match."""
+def rule_specs(config: AttnConfig, q_dims: Dims, q, dims: Sequence[Dims]):
+    """The specs the rule's split gives results of roles `dims` of a native call on `q`,
+    where q's mesh has Explicit axes (else None). An FFI call's results carry no
+    sharding type; an op that meets them (a dequantize) would type its own result
+    unsharded, and the partitioner gather the call's results to match."""
     mesh = explicit_mesh(q)
     if mesh is None:
-        return tuple(results)
+        return None
     split = decide(config, dict(mesh.shape), [("q", q_dims, jax.typeof(q).sharding.spec)])
-    with jax.sharding.use_abstract_mesh(mesh):
-        return tuple(jax.sharding.reshard(x, split.spec(d)) for x, d in zip(results, dims))
+    return tuple(split.spec(d) for d in dims)
 
 
 def in_auto_axes(fn, ref, out_specs, *args):

@@ -190,9 +190,14 @@ def _body(op: _Op, *flat):
     # Under jit, so that arrays the body creates are constants of an inner call:
     # custom_partitioning takes a body without constants of its own. Its results' types
     # are the call's (traced here, at the global shapes): the rule's split, not the
-    # kernels' (an FFI call's carry none).
-    outs = jax.jit(functools.partial(_run, op, op.config))(flat)
-    return P.typed_by_rule(op.config, op.in_dims[0], flat[0], outs, op.out_dims)
+    # kernels' (an FFI call's carry none). Under Explicit axes the body runs with them
+    # Auto: at the global shapes a kernel's wrapper may slice a split dimension (the
+    # FP8 backward's groups of batch rows), which sharding in types refuses.
+    run = jax.jit(functools.partial(_run, op, op.config))
+    specs = P.rule_specs(op.config, op.in_dims[0], flat[0], op.out_dims)
+    if specs is None:
+        return tuple(run(flat))
+    return P.in_auto_axes(lambda *x: tuple(run(x)), flat[0], lambda: specs, *flat)
 
 
 def _split(op: _Op, mesh, arg_shapes) -> P.Split:
