@@ -367,22 +367,48 @@ def test_operations_on_read_values_are_named():
 
 
 # ---- reads by q_idx - kv_idx alone (what runs by diagonals over packed segments) ---------
+def _segment_positions(seed):
+    """Positions inside random segments of one packed row: (q positions [1, 1, S_Q, 1],
+    kv positions [1, 1, 1, S_KV], pairs in one segment [S_Q, S_KV]). The keys are the
+    row's first S_KV tokens, so query and key segments are the same."""
+    rng = np.random.default_rng(seed)
+    cuts = np.sort(rng.choice(np.arange(1, S_Q), size=int(rng.integers(1, 4)), replace=False))
+    seg = np.searchsorted(cuts, np.arange(S_Q), side="right")
+    start = np.concatenate([[0], cuts])[seg]
+    pos = np.arange(S_Q) - start
+    same = seg[:, None] == seg[None, :S_KV]
+    return (jnp.asarray(pos.reshape(1, 1, S_Q, 1), jnp.int32),
+            jnp.asarray(pos[:S_KV].reshape(1, 1, 1, S_KV), jnp.int32), same)
+
+
 @pytest.mark.parametrize("seed", range(60))
-def test_by_difference_claims_only_shift_invariant_score_mods(seed):
-    """`hoisting.by_difference` over generated score_mods: a program it passes gives the
-    same scores, bit for bit, with q_idx and kv_idx both shifted (what running it on raw
-    positions over shared packed segments relies on); one with a term of a position alone
-    is refused, as are the general generator's programs that read by position."""
+def test_by_difference_claims_only_what_packed_segments_keep(seed):
+    """`hoisting.by_difference` over generated score_mods: for a program it passes, raw
+    positions give the scores that positions inside each segment give, bit for bit, on
+    every pair within a segment, for random segments (what running it on raw positions
+    over shared packed segments relies on); one with a term of a position alone is
+    refused, and so is any of the general generator's programs that reads one."""
     fn, args, spoiled = difference_program(seed)
-    specs = arg_specs(args)
-    claimed = hoisting.by_difference(fn, specs, B, H, S_Q, S_KV)
+    claimed = hoisting.by_difference(fn, arg_specs(args), B, H, S_Q, S_KV)
     assert claimed != spoiled, ("spoiled" if spoiled else "pure") + f" program {seed}"
     general, general_args = program(seed)
     if hoisting.by_difference(general, arg_specs(general_args), B, H, S_Q, S_KV):
         fn, args, claimed = general, general_args, True
     if claimed:
         b, h, q, kv = IDX
-        want = np.asarray(fn(SCORE, b, h, q, kv, *args))
-        for shift in (1, 3, 11):
-            got = np.asarray(fn(SCORE, b, h, q + shift, kv + shift, *args))
-            np.testing.assert_array_equal(got, want, err_msg=f"shift {shift}")
+        raw = np.asarray(fn(SCORE, b, h, q, kv, *args))
+        for k in range(3):
+            q_pos, kv_pos, same = _segment_positions(1000 * seed + k)
+            inside = np.asarray(fn(SCORE, b, h, q_pos, kv_pos, *args))
+            np.testing.assert_array_equal(inside[:, :, same], raw[:, :, same])
+
+
+def test_by_difference_follows_positions_only_along_their_own_axes():
+    """A shape change that moves a position onto another axis before the difference
+    is a use of its own (its values then pair with other positions)."""
+    def moved(s, b, h, q, kv):
+        q2 = jnp.broadcast_to(q, (1, 1, S_Q, 2)).reshape(1, 1, 2, S_Q)[..., :S_KV]
+        return s + jnp.sum(q2 - kv, axis=2, keepdims=True).astype(F32)
+    assert not hoisting.by_difference(moved, [], B, H, S_Q, S_KV)
+    assert hoisting.by_difference(lambda s, b, h, q, kv: s * jnp.abs(q - kv).astype(F32),
+                                  [], B, H, S_Q, S_KV)

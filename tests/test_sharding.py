@@ -160,11 +160,14 @@ def test_vmap_and_shard_map_keep_working():
                                rtol=1e-6, atol=1e-6)
 
 
-def test_a_partially_manual_shard_map_runs_the_call_per_manual_shard(partitioner):
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_a_partially_manual_shard_map_runs_the_call_per_manual_shard(partitioner, axis_type):
     """shard_map over dp with tp left automatic: the call skips custom_partitioning (it
     would get no mesh, and GSPMD aborted the process on its sharding), runs per dp
-    shard, and gives the unsplit numbers under both partitioners."""
-    mesh = _mesh((2, 4), ("dp", "tp"))
+    shard, and gives the unsplit numbers under both partitioners. With Explicit axes
+    (`jax.make_mesh`'s default) the call's body runs with tp Auto, dp staying Manual."""
+    mesh = _mesh((2, 4), ("dp", "tp")) if axis_type == "auto" else jax.make_mesh(
+        (2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     q, k, v = (_normal(i, (4, 16, 8, 8)) for i in range(3))
     f = _native(dict(mask="causal"))
     sharded = [jax.device_put(x, NamedSharding(mesh, P("dp", None, "tp"))) for x in (q, k, v)]

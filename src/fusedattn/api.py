@@ -51,7 +51,13 @@ def fused_attn(q: jax.Array, k: Optional[jax.Array], v: Optional[jax.Array], *,
       score_mod, score_mod_args: ``f(score, batch, head, q_idx, kv_idx, *args)``
         applied to the scaled (and biased) logits. On cuDNN any such JAX function is
         lowered to the graph's pointwise operations (`lowering.lower`;
-        ``explain`` says why when it cannot be).
+        ``explain`` says why when it cannot be). Under packing q_idx and kv_idx are
+        positions inside the segments. Every backend may also evaluate it at masked
+        pairs (its value dropped, its gradient times zero), so keep it and its
+        derivative finite for any positions in the rows: a non-finite one there
+        gives NaN gradients. (Under packing with one set of segments, a function of
+        q_idx - kv_idx alone sees, at pairs across segments, their distance in the
+        packed row.)
       mask_mod: ``f(batch, head, q_idx, kv_idx, *score_mod_args) -> bool``: pairs it
         rejects are masked (on top of ``mask``, ``window`` and the sequence).
       deterministic: ask for a bitwise-reproducible backward pass.

@@ -327,8 +327,11 @@ def in_auto_axes(fn, ref, out_specs, *args):
     mesh = explicit_mesh(ref)
     if mesh is None:
         return fn(*args)
+    # (only the Explicit axes: inside a shard_map some may be Manual, which stay so)
+    explicit = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                     if kind == jax.sharding.AxisType.Explicit)
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.sharding.auto_axes(fn, out_sharding=out_specs())(*args)
+        return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=out_specs())(*args)
 
 
 def typed_specs(config: AttnConfig, q, dims: Sequence[Dims]) -> Tuple[PartitionSpec, ...]:

@@ -225,7 +225,8 @@ PACKED = {"prefix mask_mod": dict(mask_mod=prefix_in_segment),
           "table score_mod, causal": dict(mask="causal", score_mod=by_segment_position),
           "positions score_mod, prefix mask_mod": dict(mask_mod=prefix_in_segment,
                                                        score_mod=slopes_in_segment),
-          "T5 table score_mod, causal": dict(mask="causal", score_mod=t5_in_segment)}
+          "T5 table score_mod, causal": dict(mask="causal", score_mod=t5_in_segment),
+          "slopes score_mod alone, causal": dict(mask="causal", score_mod=slopes_in_segment)}
 
 
 def packed_case(case, b, s):

@@ -82,7 +82,9 @@ def config_reason(config: AttnConfig) -> Optional[str]:
     mask_mod, _ = parts(config)
     rules = (
         # (a score_mod with no in-kernel form: `args_reason` below says why)
+        # (under packing every score_mod runs here: cuDNN refuses them with segments)
         (mask_mod is None and not config.has_dense_mask and not _score_by_position(config)
+         and not (config.is_packed and config.score_mod is not None)
          and args_reason(config) is None,
          "runs a mask_mod's or a dense boolean mask's block map, or a score_mod reading "
          "arrays by position; this call has none (cudnn and flash skip the built-in "

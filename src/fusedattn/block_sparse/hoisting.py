@@ -312,13 +312,17 @@ def by_difference(fn, arg_specs: Sequence, batch: int, heads: int, s_q: int,
     """Whether the score_mod `fn` (``fn(score, b, h, q_idx, kv_idx, *args)``) reads the
     positions only through ``q_idx - kv_idx``: every other use of them (a row read, a
     comparison with a constant, a product) makes it False."""
-    eqns, inputs, _, out, dep = _program(fn, SCORE, arg_specs, batch, heads, s_q, s_kv)
+    dims = (batch, heads, s_q, s_kv)
+    eqns, inputs, _, out, dep = _program(fn, SCORE, arg_specs, *dims)
     n = len(SCORE.index_bits)
-    copies = set(inputs[n - 2:n])   # the positions through reshapes and exact casts
+    # The positions through exact casts and shape changes that keep each index on its
+    # axis (one that moves a position to another axis is a use of its own).
+    copies = set(inputs[n - 2:n])
     for e in eqns:
         first = e.ins[0] if e.ins else None
-        if not isinstance(first, Literal) and first in copies and (e.prim.name in SHAPE_ONLY or e.prim.name ==
-                                "convert_element_type" and e.outs[0].aval.dtype in _EXACT):
+        if not isinstance(first, Literal) and first in copies and _pointwise(e, dep, dims) and (
+                e.prim.name in SHAPE_ONLY or e.prim.name == "convert_element_type"
+                and e.outs[0].aval.dtype in _EXACT):
             copies.update(e.outs)
         elif any(dep[o] & (_Q | _KV) for o in e.outs):
             return False   # (their difference carries _D alone)
