@@ -3,7 +3,11 @@
 # Works the same on a CUDA CI runner and by hand (and through the device tool).
 # With two or more GPUs the sharding tests (tests/gpu/test_sharding_gpu.py) and
 # benchmarks/bench_sharding.py run too; with one they skip and say so.
-#   ci/cuda.sh [all|build|test|bench] [extra pytest args...]
+#   ci/cuda.sh [all|build|test|bench|sharding] [extra pytest args...]
+# "sharding" (2 or more GPUs): the sharding tests on all GPUs, then on the first two
+# where there are more (SHARDING_ON_TWO=0 skips that), then bench_sharding; it goes on
+# past failures and exits non-zero after. On 4 H100s the tests took over 4.5 minutes on
+# four GPUs and over 3.5 on two, the benchmark about 2.
 # FUSEDATTN_GPU_SHARD=i/n runs every n-th GPU test from the i-th (tests/gpu/conftest.py):
 # the whole suite in n calls of a machine that limits each command's time.
 # Results: benchmarks/results/*.json|png, logs under ${OUT:-build/ci-cuda}.
@@ -45,6 +49,18 @@ python3 -m fusedattn info | tee "$log_dir/info.txt"
 
 if [[ $step == all || $step == test ]]; then
   python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider "$@" 2>&1 | tee "$log_dir/gpu-tests.log"
+fi
+if [[ $step == sharding ]]; then
+  rc=0
+  python3 -m pytest -q -m gpu tests/gpu/test_sharding_gpu.py -p no:cacheprovider -rs "$@" 2>&1 \
+    | tee "$log_dir/sharding-tests.log" || rc=1
+  n=$(python3 -c "import jax; print(len(jax.devices()))")
+  if (( n > 2 )) && [[ ${SHARDING_ON_TWO:-1} != 0 ]]; then
+    CUDA_VISIBLE_DEVICES=0,1 python3 -m pytest -q -m gpu tests/gpu/test_sharding_gpu.py \
+      -p no:cacheprovider -rs "$@" 2>&1 | tee "$log_dir/sharding-tests-x2.log" || rc=1
+  fi
+  python3 -m benchmarks.bench_sharding 2>&1 | tee "$log_dir/bench_sharding.log" || rc=1
+  exit $rc
 fi
 if [[ $step == all || $step == bench ]]; then
   for b in benchmarks/bench_*.py; do
