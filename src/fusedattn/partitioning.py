@@ -309,12 +309,10 @@ def typed_like(x, ref):
 
 def rule_specs(config: AttnConfig, q_dims: Dims, q, dims: Sequence[Dims]):
     """The specs the rule's split gives results of roles `dims` of a native call on `q`,
-    where q's mesh has Explicit axes (else None). An FFI call's results carry no
-    sharding type; an op that meets them (a dequantize) would type its own result
-    unsharded, and the partitioner gather the call's results to match."""
+    whose mesh has Explicit axes. An FFI call's results carry no sharding type; an op
+    that meets them (a dequantize) would type its own result unsharded, and the
+    partitioner gather the call's results to match."""
     mesh = explicit_mesh(q)
-    if mesh is None:
-        return None
     split = decide(config, dict(mesh.shape), [("q", q_dims, jax.typeof(q).sharding.spec)])
     return tuple(split.spec(d) for d in dims)
 

@@ -194,10 +194,9 @@ def _body(op: _Op, *flat):
     # Auto: at the global shapes a kernel's wrapper may slice a split dimension (the
     # FP8 backward's groups of batch rows), which sharding in types refuses.
     run = jax.jit(functools.partial(_run, op, op.config))
-    specs = P.rule_specs(op.config, op.in_dims[0], flat[0], op.out_dims)
-    if specs is None:
-        return tuple(run(flat))
-    return P.in_auto_axes(lambda *x: tuple(run(x)), flat[0], lambda: specs, *flat)
+    return tuple(P.in_auto_axes(
+        lambda *x: run(x), flat[0],
+        lambda: P.rule_specs(op.config, op.in_dims[0], flat[0], op.out_dims), *flat))
 
 
 def _split(op: _Op, mesh, arg_shapes) -> P.Split:

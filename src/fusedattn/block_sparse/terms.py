@@ -93,7 +93,7 @@ class MaskMod:
 
     def __call__(self, b, h, q, kv):
         if self.q_pos is not None:
-            q, kv = row_at(self.q_pos, b, q), row_at(self.kv_pos, b, kv)
+            return InSegments(self.fn)(b, h, q, kv, *self.args, self.q_pos, self.kv_pos)
         return self.fn(b, h, q, kv, *self.args)
 
     def tree_flatten(self):
