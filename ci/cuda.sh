@@ -6,8 +6,8 @@
 #   ci/cuda.sh [all|build|test|bench|sharding] [extra pytest args...]
 # "sharding" (2 or more GPUs): the sharding tests on all GPUs, then on the first two
 # where there are more (SHARDING_ON_TWO=0 skips that), then bench_sharding; it goes on
-# past failures and exits non-zero after. On 4 H100s the tests took over 4.5 minutes on
-# four GPUs and over 3.5 on two, the benchmark about 2.
+# past failures and exits non-zero after. Its time on a 4-GPU machine is in
+# benchmarks/results/SUMMARY.md (it can pass the device tool's per-command limit).
 # FUSEDATTN_GPU_SHARD=i/n runs every n-th GPU test from the i-th (tests/gpu/conftest.py):
 # the whole suite in n calls of a machine that limits each command's time.
 # Results: benchmarks/results/*.json|png, logs under ${OUT:-build/ci-cuda}.

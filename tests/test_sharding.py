@@ -347,7 +347,7 @@ def test_fp8_backward_in_groups_lowers_under_explicit_axes(monkeypatch, spec):
     """cuDNN's causal FP8 backward runs in calls of at most 32 (batch, head) pairs,
     sliced from the call's arrays. The body of a native call is also traced at the
     global shapes, where those slices met batch rows split 4 ways by sharding in types
-    and were refused (4x H200: b8 h16). Lowered for CUDA on this CPU host, both splits
+    and were refused (b8 h16 on 4 devices). Lowered for CUDA on this CPU host, both splits
     lower, the backward's groups inside the partitioned call."""
     monkeypatch.setenv("FUSEDATTN_PLATFORM", "cuda")
     fusedattn.dispatch.clear_cache()
