@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import block_sparse, partitioning
-from ..block_sparse import builtin
+from ..block_sparse import builtin, recognise
 from ..block_sparse.attention import (block_sparse_attention_backward,
                                       block_sparse_attention_with_lse, on_hopper)
 from ..block_sparse.builders import from_element
@@ -197,13 +197,30 @@ def block_map(config: AttnConfig) -> block_sparse.BlockMap:
                                   block=(BLOCK, BLOCK))
 
 
+@functools.lru_cache(maxsize=256)
+def segment_runs(config: AttnConfig):
+    """Under packing, a mask_mod of positions alone whose row at each position sees one
+    run of keys or none (prefix-LM, a window): each position's first and last key
+    (host arrays, `recognise.row_runs`), found at trace time; else None. Such a mask
+    inside the segments is per-row key intervals, whose map needs no pair evaluated."""
+    mask_mod, _ = parts(config)
+    if mask_mod is None or not config.is_packed or not mask_reads(config).positions_only:
+        return None
+    unread = tuple(np.zeros(shape, dtype) for shape, dtype in config.score_mod_arg_specs)
+    term = MaskMod(mask_mod, unread, reads=mask_reads(config), batch=1, heads=1)
+    return recognise.row_runs(ElementMask([term], config.s_q, config.s_kv))
+
+
 def device_map(config: AttnConfig, inputs: AttnInputs) -> block_sparse.BlockMap:
     """The call's map from its arrays (the mask_mod's args, the dense mask, the padding
     lengths), built on the device in this call: the AND of those terms and the built-in
     mask and window."""
     mask_mod, _ = parts(config)
     terms = []
-    if mask_mod is not None:   # (packed: it sees positions inside the segments)
+    runs = segment_runs(config)
+    if runs is not None:
+        terms.append(builtin.in_segments(*runs, inputs.sequence))
+    elif mask_mod is not None:   # (packed: it sees positions inside the segments)
         pos = ((inputs.sequence.q_positions, inputs.sequence.kv_positions)
                if config.is_packed else ())
         terms.append(MaskMod.build(mask_mod, tuple(inputs.score_mod_args), config.batch,
@@ -243,7 +260,10 @@ class BlockSparseBackend(native_op.NativeBackend):
         if static(config):
             return block_map(config).describe()
         sources = []
-        if parts(config)[0] is not None:
+        if segment_runs(config) is not None:
+            sources.append("the mask_mod's runs of keys per position (found at trace "
+                           "time) placed in each segment")
+        elif parts(config)[0] is not None:
             reads = mask_reads(config)
             read = [name for name, yes in (("score_mod_args", reads.args),
                                            ("the batch index", reads.batch),

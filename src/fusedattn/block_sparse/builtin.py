@@ -74,6 +74,21 @@ def intervals(s_q: int, s_kv: int, mask: str = "none", window=None,
     raise ValueError(f"sequence.kind must be 'padding' or 'packed', got {sequence.kind!r}")
 
 
+def in_segments(lo, hi, sequence: SequenceDescriptor) -> Intervals:
+    """A mask of positions inside packed segments whose row at position ``r`` sees the
+    keys at positions ``lo[r] .. hi[r]`` (host ``[s_q]``; lo > hi: none) as raw key
+    intervals: row ``i`` of query segment ``n`` sees its row's key segment ``n`` from
+    ``kv_offset + lo[q_position]``. AND it with `intervals` (the segments themselves),
+    which keeps each row inside its segment and padded rows empty."""
+    ids = jnp.asarray(sequence.q_segment_ids, jnp.int32)
+    seg = jnp.clip(ids - 1, 0, sequence.max_segments - 1)
+    kv_off = jnp.take_along_axis(jnp.asarray(sequence.kv_offsets, jnp.int32), seg, axis=1)
+    pos = jnp.clip(jnp.asarray(sequence.q_positions, jnp.int32), 0, len(lo) - 1)
+    # (int64 on the host: an empty row's lo past s_kv plus an offset stays in range)
+    at = lambda a: jnp.asarray(np.clip(a, -1, np.iinfo(np.int32).max // 2), jnp.int32)[pos]  # noqa: E731
+    return Intervals(kv_off + at(lo), kv_off + at(hi))
+
+
 def _band(xp, pos, start, stop, offset, left, right, base=0) -> Intervals:
     """Keys ``[start, stop)`` narrowed to ``base + pos + offset - left .. + right``."""
     centre = base + pos + offset

@@ -117,9 +117,18 @@ def _splits(lo, hi) -> Tuple[int, ...]:
     return tuple(rows) if len(rows) <= MAX_SPLITS else ()
 
 
-def _row_intervals(element: ElementMask):
-    """Each row's first and last visible key, or None when a row sees no key or a
-    run with a gap."""
+def row_runs(element: ElementMask) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """Each row's first and last visible key of the static `element`, when every row
+    sees one run of keys or none (``lo = s_kv, hi = -1``); None otherwise, or past
+    `MAX_ELEMENTS` pairs."""
+    if not element.static or element.s_q * element.s_kv > MAX_ELEMENTS:
+        return None
+    return _row_intervals(element.for_host(), empty_rows=True)
+
+
+def _row_intervals(element: ElementMask, empty_rows: bool = False):
+    """Each row's first and last visible key, or None when a row sees a run with a gap,
+    or (unless `empty_rows`) no key."""
     s_q, s_kv = element.s_q, element.s_kv
     kv = np.arange(s_kv, dtype=np.int32).reshape(1, 1, 1, -1)
     zero = np.zeros((1, 1, 1, 1), np.int32)
@@ -133,9 +142,10 @@ def _row_intervals(element: ElementMask):
         count = vis.sum(axis=1)
         first = vis.argmax(axis=1)
         last = s_kv - 1 - vis[:, ::-1].argmax(axis=1)
-        if (count == 0).any() or (count != last - first + 1).any():
+        empty = count == 0
+        if (empty.any() and not empty_rows) or (~empty & (count != last - first + 1)).any():
             return None
-        lo[q], hi[q] = first, last
+        lo[q], hi[q] = np.where(empty, s_kv, first), np.where(empty, -1, last)
     return lo, hi
 
 
