@@ -152,15 +152,6 @@ class Masked:
         return jnp.where(keep, s, -jnp.inf)
 
 
-def zero_where_unseen(d_score, p):
-    """A score_mod's score gradient (its pullback of dS) with pairs of zero probability
-    `p` set to 0. Backends evaluate the score_mod at masked pairs too; its derivative
-    may be non-finite there (``s * sqrt(i - j + 1)`` under causal), and the pullback
-    of their zero dS would be NaN. Selecting, not multiplying, drops it, as
-    flex_attention does (the args' gradients are left as they are, as there)."""
-    return jnp.where(p == 0, jnp.zeros_like(d_score), d_score)
-
-
 @dataclasses.dataclass(frozen=True)
 class Reindexed:
     """A score_mod (or, with ``mask``, a mask_mod) that sees other batch, head and

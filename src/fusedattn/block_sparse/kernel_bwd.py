@@ -29,7 +29,6 @@ from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index 
                            dense_tile, load_words, logits, matmul_acc, matmul_acc2, matmul_t2,
                            rendezvous, row_vector, rows_of, smem_tiled, tile_fns, tokens,
                            value_scratch)
-from ..score_mods import zero_where_unseen
 
 HALF = BLOCK // 2
 
@@ -166,8 +165,6 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 ds = p * (dp - rows_of(delta, shape))
                 if pull is not None:
                     ds, g_rows, _, g_diag = pull(ds)
-                    # (masked pairs lie in partial blocks only: full ones skip the select)
-                    ds = lax.cond(partial, lambda x: zero_where_unseen(x, p), lambda x: x, ds)
                     if d_values:
                         d_sq = _row_sums(d_sq, g_rows, q_floats)
                     if d_diag:
@@ -345,8 +342,6 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 dst = pt * (dpt - cols_of(col_vector(ld_smem.at[slot, 1], interpret), shape))
                 if pull is not None:
                     dst, _, g_cols, _ = pull(dst)
-                    dst = lax.cond(partial, lambda x: zero_where_unseen(x, pt), lambda x: x,
-                                   dst)
                     if d_values:
                         d_skv = _row_sums(d_skv, g_cols, kv_floats)
                 dst, pt = dst.astype(dt), pt.astype(dt)

@@ -12,7 +12,6 @@ from jax import lax
 from .kernel_mask import KernelMask
 from .kernel_parts import BLOCK, F32, LOG2E, WORD, bh_index, side_index, unpack_bits
 from .kernel_score import apply
-from ..score_mods import zero_where_unseen
 
 
 def _walk(lists, b, h, t):
@@ -125,7 +124,6 @@ def _probs(qt, kt, dot, vt, lse, delta, **kw):
     if pull is None:
         return p, ds, [], [], []
     ds, g_q, g_kv, g_d = pull(ds)
-    ds = zero_where_unseen(ds, p)
     q, kv = _positions(kw["q0"], kw["k0"])
     return (p, ds, [g.sum(1) for g in g_q], [g.sum(0) for g in g_kv],
             [kw["score"].runs.sums(g, q - kv) for g in g_d])

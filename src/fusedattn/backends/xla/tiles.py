@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from ...config import AttnConfig
-from ...score_mods import zero_where_unseen
 from .masks import TokenInfo, has_mask, keep_tile, tile_mask
 
 F32 = jnp.float32
@@ -285,7 +284,6 @@ def backward(config: AttnConfig, tiling: Tiling, residuals, d_out, d_lse):
         d_args = ()
         if mod_vjp is not None:
             ds, *d_args = mod_vjp(ds)
-            ds = zero_where_unseen(ds, p)
         d_bias = _reduce_bias_grad(ds, bias.shape) if bias is not None else None
         ds_mm = ds.astype(mm)
         scale = F32(config.scale)
