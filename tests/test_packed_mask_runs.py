@@ -9,6 +9,7 @@ kernels apply equal brute force (positions inside the segments, the mask evaluat
 on every pair), and `row_runs` refuses exactly the masks with a gap in some row.
 Then the backend: such a call's device map holds no mask_mod, and explain() says so.
 """
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -114,3 +115,26 @@ def test_a_mask_with_gaps_keeps_its_pairs():
         return (j <= i) & ((i - j < 4) | (j < 2))
     assert recognise.row_runs(ElementMask([MaskMod.build(sinks, (), 1, 1, 16, 16)],
                                           16, 16)) is None
+
+
+def test_a_mask_mod_closing_over_a_traced_value_falls_back(hopper_reference):
+    """A packed mask_mod that closes over a value traced in the caller's jit cannot be
+    evaluated at trace time: block_sparse refuses it with the reason, and the call runs
+    on another backend with the same numbers as the XLA backend."""
+    s = 64
+    seq, *_ = _packing(np.random.default_rng(3), s, s, shared=True)
+    q = jax.random.normal(jax.random.key(0), (B, s, 2, 64), jnp.bfloat16)
+
+    def call(q, w, backend):
+        return fusedattn.fused_attn(q, q, q, sequence=seq, backend=backend,
+                                    mask_mod=lambda b, h, i, j: (j <= i) & (i - j < w))
+
+    def plan(q, w):
+        plan = fusedattn.explain(q, q, q, sequence=seq,
+                                 mask_mod=lambda b, h, i, j: (j <= i) & (i - j < w))
+        assert plan.chosen != "block_sparse"
+        assert dict(plan.reasons)["block_sparse"].startswith("block map:"), str(plan)
+        return call(q, w, "auto")
+    got = jax.jit(plan)(q, jnp.int32(9))
+    want = jax.jit(call, static_argnums=2)(q, jnp.int32(9), "xla")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

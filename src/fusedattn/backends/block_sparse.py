@@ -249,9 +249,10 @@ class BlockSparseBackend(native_op.NativeBackend):
         if why is None and not on_hopper():
             why = "its Mosaic GPU kernels need a Hopper GPU (compute capability 9.0)"
         if why is None:
-            try:
+            try:   # (both evaluate the mask_mod on the host at trace time)
                 if static(config):
                     block_map(config)
+                segment_runs(config)
             except Exception as e:  # a mask_mod the map cannot take: a reason, not a crash
                 return f"block map: {type(e).__name__}: {e}"
         return why
