@@ -84,9 +84,9 @@ def in_segments(lo, hi, sequence: SequenceDescriptor) -> Intervals:
     seg = jnp.clip(ids - 1, 0, sequence.max_segments - 1)
     kv_off = jnp.take_along_axis(jnp.asarray(sequence.kv_offsets, jnp.int32), seg, axis=1)
     pos = jnp.clip(jnp.asarray(sequence.q_positions, jnp.int32), 0, len(lo) - 1)
-    # (int64 on the host: an empty row's lo past s_kv plus an offset stays in range)
-    at = lambda a: jnp.asarray(np.clip(a, -1, np.iinfo(np.int32).max // 2), jnp.int32)[pos]  # noqa: E731
-    return Intervals(kv_off + at(lo), kv_off + at(hi))
+    # (lo, hi lie in [-1, s_kv]: with an offset under s_kv they stay far inside int32)
+    lo, hi = (jnp.asarray(a, jnp.int32)[pos] for a in (lo, hi))
+    return Intervals(kv_off + lo, kv_off + hi)
 
 
 def _band(xp, pos, start, stop, offset, left, right, base=0) -> Intervals:
