@@ -206,8 +206,8 @@ def segment_runs(config: AttnConfig):
     mask_mod, _ = parts(config)
     if mask_mod is None or not config.is_packed or not mask_reads(config).positions_only:
         return None
-    unread = tuple(np.zeros(shape, dtype) for shape, dtype in config.score_mod_arg_specs)
-    term = MaskMod(mask_mod, unread, reads=mask_reads(config), batch=1, heads=1)
+    # (`row_runs` evaluates it with zeros for the args it never reads)
+    term = MaskMod(mask_mod, _arg_specs(config), reads=mask_reads(config), batch=1, heads=1)
     return recognise.row_runs(ElementMask([term], config.s_q, config.s_kv))
 
 

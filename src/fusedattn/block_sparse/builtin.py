@@ -61,11 +61,7 @@ def intervals(s_q: int, s_kv: int, mask: str = "none", window=None,
                    (kv_len - q_len) if bottom_right else 0, left, right)
         return Intervals(jnp.where(i < q_len, iv.lo, 1), jnp.where(i < q_len, iv.hi, 0))
     if sequence.kind == "packed":
-        ids = jnp.asarray(sequence.q_segment_ids, jnp.int32)
-        seg = jnp.clip(ids - 1, 0, sequence.max_segments - 1)
-
-        def per_row(a):  # [b, S] per segment -> [b, s_q] per query row
-            return jnp.take_along_axis(jnp.asarray(a, jnp.int32), seg, axis=1)
+        ids, per_row = _per_row(sequence)
         kv_len, kv_off = per_row(sequence.kv_lengths), per_row(sequence.kv_offsets)
         offset = (kv_len - per_row(sequence.q_lengths)) if bottom_right else 0
         iv = _band(jnp, jnp.asarray(sequence.q_positions, jnp.int32), kv_off, kv_off + kv_len,
@@ -80,13 +76,19 @@ def in_segments(lo, hi, sequence: SequenceDescriptor) -> Intervals:
     intervals: row ``i`` of query segment ``n`` sees its row's key segment ``n`` from
     ``kv_offset + lo[q_position]``. AND it with `intervals` (the segments themselves),
     which keeps each row inside its segment and padded rows empty."""
-    ids = jnp.asarray(sequence.q_segment_ids, jnp.int32)
-    seg = jnp.clip(ids - 1, 0, sequence.max_segments - 1)
-    kv_off = jnp.take_along_axis(jnp.asarray(sequence.kv_offsets, jnp.int32), seg, axis=1)
+    kv_off = _per_row(sequence)[1](sequence.kv_offsets)
     pos = jnp.clip(jnp.asarray(sequence.q_positions, jnp.int32), 0, len(lo) - 1)
     # (lo, hi lie in [-1, s_kv]: with an offset under s_kv they stay far inside int32)
     lo, hi = (jnp.asarray(a, jnp.int32)[pos] for a in (lo, hi))
     return Intervals(kv_off + lo, kv_off + hi)
+
+
+def _per_row(sequence: SequenceDescriptor):
+    """(query segment ids [b, s_q], a function taking a packed descriptor's per-segment
+    array [b, S] to its value at each query row [b, s_q])."""
+    ids = jnp.asarray(sequence.q_segment_ids, jnp.int32)
+    seg = jnp.clip(ids - 1, 0, sequence.max_segments - 1)
+    return ids, lambda a: jnp.take_along_axis(jnp.asarray(a, jnp.int32), seg, axis=1)
 
 
 def _band(xp, pos, start, stop, offset, left, right, base=0) -> Intervals:

@@ -68,10 +68,8 @@ def row_groups(element: ElementMask) -> Optional[Tuple[Group, ...]]:
     two runs of rows, each a built-in form of a range of keys: groups that together
     equal the mask on every pair, or None."""
     s_q, s_kv = element.s_q, element.s_kv
-    if not element.static or s_q * s_kv > MAX_ELEMENTS:
-        return None
-    rows = _row_intervals(element.for_host())
-    if rows is None:
+    rows = row_runs(element)
+    if rows is None or (rows[0] > rows[1]).any():   # (a row that sees no key)
         return None
     lo, hi = rows
     form = _fit(lo, hi, s_kv)
@@ -123,12 +121,12 @@ def row_runs(element: ElementMask) -> Optional[Tuple[np.ndarray, np.ndarray]]:
     `MAX_ELEMENTS` pairs."""
     if not element.static or element.s_q * element.s_kv > MAX_ELEMENTS:
         return None
-    return _row_intervals(element.for_host(), empty_rows=True)
+    return _row_intervals(element.for_host())
 
 
-def _row_intervals(element: ElementMask, empty_rows: bool = False):
-    """Each row's first and last visible key, or None when a row sees a run with a gap,
-    or (unless `empty_rows`) no key."""
+def _row_intervals(element: ElementMask):
+    """Each row's first and last visible key (none: ``s_kv, -1``), or None when a row
+    sees a run with a gap."""
     s_q, s_kv = element.s_q, element.s_kv
     kv = np.arange(s_kv, dtype=np.int32).reshape(1, 1, 1, -1)
     zero = np.zeros((1, 1, 1, 1), np.int32)
@@ -143,7 +141,7 @@ def _row_intervals(element: ElementMask, empty_rows: bool = False):
         first = vis.argmax(axis=1)
         last = s_kv - 1 - vis[:, ::-1].argmax(axis=1)
         empty = count == 0
-        if (empty.any() and not empty_rows) or (~empty & (count != last - first + 1)).any():
+        if (~empty & (count != last - first + 1)).any():
             return None
         lo[q], hi[q] = np.where(empty, s_kv, first), np.where(empty, -1, last)
     return lo, hi
