@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import jax
+from jax.experimental.custom_partitioning import ArrayMapping, SdyShardingRule
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .config import AttnConfig
@@ -111,6 +112,14 @@ def summed_roles(dims: Dims) -> Tuple[str, ...]:
 
 
 # ---- deciding the split -------------------------------------------------------------
+class CallShape(NamedTuple):
+    """What `decide` reads of a call: an `AttnConfig` has these fields, and a call made
+    without one (a direct `block_sparse_attention`) gives them so."""
+    batch: int
+    h_q: int
+    h_kv: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Split:
     """Which mesh axes split the call, and what the plan had to gather and why."""
@@ -150,9 +159,10 @@ def spec_axes(spec: Optional[PartitionSpec], ndim: int) -> Tuple[Tuple[str, ...]
     return tuple(_axes(e) for e in entries)
 
 
-def decide(config: AttnConfig, mesh_shape: Mapping[str, int],
+def decide(config: AttnConfig | CallShape, mesh_shape: Mapping[str, int],
            arrays: Sequence[Tuple[str, Dims, Optional[PartitionSpec]]]) -> Split:
-    """The split for operands named and shaped as `arrays` ((name, dims, spec) each).
+    """The split for operands named and shaped as `arrays` ((name, dims, spec) each) of
+    a call of `config`'s batch and heads.
 
     The batch and head splits are read off the first operand (q); an axis that
     does not divide its dimension, or a split of a dimension the call needs
@@ -226,6 +236,60 @@ def shard_index(axes: Tuple[str, ...], mesh_shape: Mapping[str, int]) -> jax.Arr
     for a in axes:
         index = index * mesh_shape[a] + jax.lax.axis_index(a)
     return index
+
+
+# ---- custom_partitioning's parts -------------------------------------------------------
+def shardings(mesh, split: Split, dims: Sequence[Dims]):
+    """The NamedShardings the split gives arrays of roles `dims`."""
+    return tuple(NamedSharding(mesh, split.spec(d)) for d in dims)
+
+
+def sum_partials(outs, dims: Sequence[Dims], split: Split) -> list:
+    """Inside a partitioned function: each result lacking a split role (the gradient of
+    an operand broadcast over that axis) is this device's partial sum, summed over the
+    axes of that role."""
+    outs = list(outs)
+    for i, d in enumerate(dims):
+        axes = sum((split.axes(r) for r in summed_roles(d)), ())
+        if axes:
+            outs[i] = jax.lax.psum(outs[i], axes)
+    return outs
+
+
+def sdy_rule(in_dims: Sequence[Dims], out_dims: Sequence[Dims]) -> SdyShardingRule:
+    """The Shardy rule: batch, query-head and kv-head factors shared by every array that
+    has them; tokens and head dims need replication. Query and kv heads are separate
+    factors: a compound (kv heads x group) would let Shardy split kv heads into
+    sub-axes when heads are split finer than h_kv, which no NamedSharding expresses;
+    the partition callback makes k and v follow q instead."""
+    counter = iter(range(10 ** 6))
+    own = []
+    factor = {BATCH: "b", Q_HEADS: "h", KV_HEADS: "k", Q_TOKENS: "s", KV_TOKENS: "t"}
+
+    def mapping(dims: Dims):
+        names = []
+        for role in dims.roles:
+            if role in factor:
+                names.append(factor[role])
+            else:  # a dimension of its own, kept whole
+                names.append(f"x{next(counter)}")
+                own.append(names[-1])
+        return ArrayMapping(*names)
+
+    ins = tuple(mapping(d) for d in in_dims)
+    outs = tuple(mapping(d) for d in out_dims)
+    # Shardy wants special factors in the order the factors first appear.
+    order = list(dict.fromkeys(n for m in ins + outs for n in m))
+    replicate = tuple(n for n in order if n in ("s", "t", *own))
+    return SdyShardingRule(ins, outs, need_replication_factors=replicate)
+
+
+def partially_manual() -> bool:
+    """Inside a shard_map that leaves some of the mesh's axes automatic? There
+    custom_partitioning gets no mesh to name a split by (and GSPMD aborts the process
+    on its sharding), so a call runs per manual shard without it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and 0 < len(mesh.manual_axes) < len(mesh.axis_names)
 
 
 # ---- explain(): the distributed plan --------------------------------------------------
@@ -307,7 +371,7 @@ def typed_like(x, ref):
         return jax.sharding.reshard(x, want)
 
 
-def rule_specs(config: AttnConfig, q_dims: Dims, q, dims: Sequence[Dims]):
+def rule_specs(config: AttnConfig | CallShape, q_dims: Dims, q, dims: Sequence[Dims]):
     """The specs the rule's split gives results of roles `dims` of a native call on `q`,
     whose mesh has Explicit axes. An FFI call's results carry no sharding type; an op
     that meets them (a dequantize) would type its own result unsharded, and the

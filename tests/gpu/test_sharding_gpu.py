@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from support import sharding_cases as sc  # noqa: E402
 from support.block_sparse_cases import doc_ids  # noqa: E402
 import fusedattn  # noqa: E402
-from fusedattn import ContextParallel, SequenceDescriptor, jax_nn  # noqa: E402
+from fusedattn import ContextParallel, SequenceDescriptor, block_sparse, jax_nn  # noqa: E402
 from fusedattn.backends import native_op as native_call  # noqa: E402
 from fusedattn.inputs import AttnInputs  # noqa: E402
 from fusedattn.validation import build_call  # noqa: E402
@@ -143,6 +143,12 @@ def _doc_ids(b, s):
                                  for r in range(b)]))
 
 
+def _only_the_loss_reduces(counts, text):
+    assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == 0, \
+        counts
+    assert set(sc.all_reduce_shapes(text)) <= {"f32[]"}, sc.all_reduce_shapes(text)
+
+
 @pytest.mark.parametrize("split", sorted(SPLITS))
 @pytest.mark.parametrize("form", ["mask_mod", "dense"])
 def test_block_sparse_split_matches_one_gpu_without_gathers(n_gpus, split, form):
@@ -173,9 +179,33 @@ def test_block_sparse_split_matches_one_gpu_without_gathers(n_gpus, split, form)
     shard = NamedSharding(mesh, spec)
     single, sharded, counts, text = sc.run(f, [q, k, v, *extra], [shard] * 3 + extra_shardings,
                                            d_out)
-    assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == 0, \
-        counts
-    assert set(sc.all_reduce_shapes(text)) <= {"f32[]"}, sc.all_reduce_shapes(text)
+    _only_the_loss_reduces(counts, text)
+    sc.assert_same(single, sharded, SPLIT_TOL)
+
+
+@pytest.mark.parametrize("split", sorted(SPLITS))
+@pytest.mark.parametrize("form", ["window", "documents"])
+def test_block_sparse_direct_call_splits_with_a_users_map(n_gpus, split, form):
+    """`block_sparse_attention` with a map the caller built (a static window, or the
+    documents from ids sharded with the batch, built in the step): the Mosaic kernels
+    run per shard under the partitioning rule (`block_sparse.sharded`), moving no token
+    array, and give the single-GPU results."""
+    b, s, h_q, h_kv, d = 2 * n_gpus, 1024, 4 * n_gpus, 2 * n_gpus, 128
+    q, k, v, d_out = _qkv(b, s, h_q, h_kv, d)
+    mesh, spec = SPLITS[split](n_gpus)
+    shard = NamedSharding(mesh, spec)
+    if form == "window":
+        bm = block_sparse.block_map(lambda b_, h_, i, j: (j <= i) & (i - j < 256), s_q=s, s_kv=s)
+        f = lambda q, k, v: block_sparse.block_sparse_attention(q, k, v, bm)  # noqa: E731
+        extra, extra_shardings = [], []
+    else:
+        f = lambda q, k, v, ids: block_sparse.block_sparse_attention(  # noqa: E731
+            q, k, v, block_sparse.from_segment_ids(ids))
+        extra = [_doc_ids(b, s)]
+        extra_shardings = [NamedSharding(mesh, P("dp") if split == "batch" else P())]
+    single, sharded, counts, text = sc.run(f, [q, k, v, *extra], [shard] * 3 + extra_shardings,
+                                           d_out)
+    _only_the_loss_reduces(counts, text)
     sc.assert_same(single, sharded, SPLIT_TOL)
 
 

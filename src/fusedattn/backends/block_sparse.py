@@ -292,9 +292,11 @@ class BlockSparseBackend(native_op.NativeBackend):
             q, k, v = unpack_qkv(config, inputs)
             score_mod, args = in_segments(config, parts(config)[1], inputs.score_mod_args,
                                           score=True, inputs=inputs)
+            # (already one device's shard: native_op partitions the call)
             return attend(q, k, v, *operands, bm, scale=config.scale, score_mod=score_mod,
                           score_mod_args=args, implementation=IMPLEMENTATION,
-                          unseen_rows=config.unseen_rows, layout=config.layout)
+                          unseen_rows=config.unseen_rows, layout=config.layout,
+                          partitioned=False)
         # (under Explicit axes the map's and the list walks' gathers run with the axes
         # Auto, as the XLA backend's tiles do)
         return partitioning.in_auto_axes(run, inputs.q, out_specs, inputs, *operands)

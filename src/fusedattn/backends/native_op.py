@@ -43,8 +43,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.custom_partitioning import (ArrayMapping, SdyShardingRule,
-                                                  custom_partitioning)
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 
 from .. import partitioning as P
@@ -206,12 +205,8 @@ def _split(op: _Op, mesh, arg_shapes) -> P.Split:
     return P.decide(op.config, dict(mesh.shape), arrays)
 
 
-def _shardings(mesh, split: P.Split, dims):
-    return tuple(NamedSharding(mesh, split.spec(d)) for d in dims)
-
-
 def _infer(op, mesh, arg_shapes, result_shape):
-    return _shardings(mesh, _split(op, mesh, arg_shapes), op.out_dims)
+    return P.shardings(mesh, _split(op, mesh, arg_shapes), op.out_dims)
 
 
 def _partition(op, mesh, arg_shapes, result_shape):
@@ -241,14 +236,11 @@ def _partition(op, mesh, arg_shapes, result_shape):
                 if dims == SCALAR_DIMS:
                     outs[i] = jax.lax.pmax(outs[i], split.batch + split.heads)
         if op.step == "backward":
-            for i, dims in enumerate(op.out_dims):
-                axes = sum((split.axes(r) for r in P.summed_roles(dims)), ())
-                if axes:
-                    outs[i] = jax.lax.psum(outs[i], axes)
+            outs = P.sum_partials(outs, op.out_dims, split)
         return tuple(outs)
 
-    return (mesh, per_device, _shardings(mesh, split, op.out_dims),
-            _shardings(mesh, split, op.in_dims))
+    return (mesh, per_device, P.shardings(mesh, split, op.out_dims),
+            P.shardings(mesh, split, op.in_dims))
 
 
 def _reads_shard_numbers(mod, split: P.Split) -> bool:
@@ -273,31 +265,7 @@ def _fold_shard_into_rng(op: _Op, flat, split: P.Split, shape):
 
 
 def _rule(op, mesh, value_types, result_types):
-    """The Shardy rule: batch, query-head and kv-head factors shared by every array that
-    has them; tokens and head dims need replication. Query and kv heads are separate
-    factors: a compound (kv heads x group) would let Shardy split kv heads into
-    sub-axes when heads are split finer than h_kv, which no NamedSharding expresses;
-    the partition callback makes k and v follow q instead."""
-    counter = iter(range(10 ** 6))
-    own = []
-    factor = {P.BATCH: "b", P.Q_HEADS: "h", P.KV_HEADS: "k", P.Q_TOKENS: "s", P.KV_TOKENS: "t"}
-
-    def mapping(dims: P.Dims):
-        names = []
-        for role in dims.roles:
-            if role in factor:
-                names.append(factor[role])
-            else:  # a dimension of its own, kept whole
-                names.append(f"x{next(counter)}")
-                own.append(names[-1])
-        return ArrayMapping(*names)
-
-    ins = tuple(mapping(d) for d in op.in_dims)
-    outs = tuple(mapping(d) for d in op.out_dims)
-    # Shardy wants special factors in the order the factors first appear.
-    order = list(dict.fromkeys(n for m in ins + outs for n in m))
-    replicate = tuple(n for n in order if n in ("s", "t", *own))
-    return SdyShardingRule(ins, outs, need_replication_factors=replicate)
+    return P.sdy_rule(op.in_dims, op.out_dims)
 
 
 _partitioned = custom_partitioning(_body, static_argnums=(0,))
@@ -311,15 +279,9 @@ def _call(backend: str, step: str, config: AttnConfig, operands, dims):
     assert len(in_dims) == len(flat), (len(in_dims), len(flat))
     out_dims, out_tree = _out_dims(backend, step, config, operands, dims)
     op = _Op(backend, step, config, in_tree, in_dims, out_tree, out_dims)
-    call = _body if _partially_manual() else _partitioned
+    call = _body if P.partially_manual() else _partitioned
     outs = jax.custom_batching.sequential_vmap(functools.partial(call, op))(*flat)
     return jax.tree_util.tree_unflatten(out_tree, list(outs))
-
-
-def _partially_manual() -> bool:
-    """Inside a shard_map that leaves some of the mesh's axes automatic?"""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and 0 < len(mesh.manual_axes) < len(mesh.axis_names)
 
 
 def _out_dims(backend: str, step: str, config: AttnConfig, operands, dims):

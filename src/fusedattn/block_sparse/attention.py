@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from ..inputs import value_mean
-from . import kernel_bwd, kernel_fwd, reference, unseen_rows as unseen
+from ..partitioning import (KV_HEADS, KV_TOKENS, LSE_DIMS, Q_HEADS, Q_TOKENS, CallShape,
+                            Dims)
+from . import kernel_bwd, kernel_fwd, reference, sharded, unseen_rows as unseen
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
 from .kernel_parts import BLOCK, batch_tokens, whole
@@ -29,12 +31,16 @@ LAYOUTS = ("bshd", "sbhd")    # the token arrays' layouts the kernels read in pl
 # What a row that sees no key gives: 0 (fusedattn's rule), or the mean of all values
 # (jax.nn's: every key weighted alike), written by the forward kernel itself.
 UNSEEN_ROWS = ("zero", "mean")
+# The implementations a sharded direct call runs under our partitioning rule: XLA sees
+# the kernels as opaque calls, while it partitions the reference walks (plain JAX,
+# differentiable twice) itself. Tests add "reference" to run the rule on CPU.
+PARTITIONED = ("mosaic",)
 
 
 def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[float] = None,
                            score_mod: Optional[Callable] = None, score_mod_args=(),
                            implementation: Optional[str] = None, unseen_rows: str = "zero",
-                           layout: str = "bshd"):
+                           layout: str = "bshd", partitioned: bool = True):
     """Attention of q ``[b, s_q, h_q, d]`` over k, v ``[b, s_kv, h_kv, d]`` (bshd, or
     with ``layout="sbhd"`` sequence-first ``[s, b, h, d]``, the output too; h_q a
     multiple of h_kv) where `block_map` says which pairs are visible;
@@ -45,19 +51,21 @@ def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[floa
     rule). Differentiable in q, k, v and the float args. Lengths need
     not be multiples of the block: the arrays are padded to whole blocks and the
     padding masked. `implementation`: "mosaic", "reference" or None (mosaic on a
-    Hopper GPU, else reference)."""
+    Hopper GPU, else reference). Under a jit whose inputs are sharded over the batch or
+    heads each device runs its own shard (`sharded`; ``partitioned=False``: the caller
+    runs this on one device's arrays already)."""
     out, _ = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation,
-                   unseen_rows, layout)
+                   unseen_rows, layout, partitioned)
     return out
 
 
 def block_sparse_attention_with_lse(q, k, v, block_map: BlockMap, *, scale=None,
                                     score_mod=None, score_mod_args=(), implementation=None,
-                                    unseen_rows="zero", layout="bshd"):
+                                    unseen_rows="zero", layout="bshd", partitioned=True):
     """(out, lse): lse is the fp32 natural log-sum-exp ``[b, h_q, s_q]`` (-inf on
     rows with no visible key)."""
     out, lse2 = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation,
-                      unseen_rows, layout)
+                      unseen_rows, layout, partitioned)
     return out, lse2 * math.log(2.0)
 
 
@@ -78,7 +86,8 @@ def on_hopper() -> bool:
 
 def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMap, *,
                                     scale=None, score_mod=None, score_mod_args=(),
-                                    implementation=None, unseen_rows="zero", layout="bshd"):
+                                    implementation=None, unseen_rows="zero", layout="bshd",
+                                    partitioned=True):
     """(dq, dk, dv, d_args) of `block_sparse_attention` at cotangent `d_out`, from the
     forward's `out` and natural `lse` (`block_sparse_attention_with_lse`): the backward
     kernels alone, for a caller that runs the forward and the backward as steps of its
@@ -110,33 +119,79 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
     lse2 = jnp.pad(lse.astype(jnp.float32) / math.log(2.0), ((0, 0), (0, 0), (0, whole - s_q)),
                    constant_values=-jnp.inf)
     out, d_out = (_pad_tokens(x, whole, t) for x in (out, d_out))
-    dq, dk, dv, _, d_values, _ = _bwd(fn, scale, score_fn[0], impl, mean_over, t == 0,
-                                      (q, k, v, values, ints, out, lse2), (d_out, None))
+    steps = _steps(fn, scale, score_fn[0], impl, mean_over, t == 0, q, k, values, ints,
+                   partitioned)
+    dq, dk, dv, _, d_values, _ = _bwd(steps, (q, k, v, values, ints, out, lse2),
+                                      (d_out, None))
     d_args = [None] * len(args)
     for i, g in zip(floats, pullback(d_values)[0]):
         d_args[i] = g
     return (_cut(dq, s_q, t), _cut(dk, s_kv, t), _cut(dv, s_kv, t), tuple(d_args))
 
 
-def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_rows, layout):
+def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_rows, layout,
+          partitioned):
     t = _token_axis(layout)
     s_q, s_kv = q.shape[t], k.shape[t]
     mean_over, flag = _unseen_rule(unseen_rows, bm, score_mod is not None, s_kv)
-    v_real = v
+    # (the mean of v an unseen row gives is taken from v before its padding: a sum of
+    # the padded v fused with its pad ran slower. A constant to the vjp: the backward
+    # adds its gradient to dv itself.)
+    v_real = None if mean_over is None else jax.lax.stop_gradient(v)
     fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation, layout)
-    fill = None
-    if mean_over is not None:
-        # The mean of v an unseen row gives, from v before its padding (a sum of the
-        # padded v fused with its pad ran slower). A constant to the vjp: the backward
-        # adds its gradient to dv itself.
-        fill = jax.lax.stop_gradient(value_mean(
-            _bshd(v_real, t == 0), q.shape[2],
-            lambda x: unseen.gated_token_sum(x, flag, kernel=impl == "mosaic" and t == 1)))
     score, values = _score(score_mod, score_mod_args, batch_tokens(q, t == 0)[0], q.shape[2],
                            s_q, s_kv)
-    out, lse2 = _attention(fn, scale, score, impl, mean_over, t == 0, q, k, v, fill, values,
-                           ints + (flag,))
+    ints += (flag,)
+    steps = _steps(fn, scale, score, impl, mean_over, t == 0, q, k, values, ints,
+                   partitioned)
+    out, lse2 = _attention(steps, q, k, v, v_real, values, ints)
     return _cut(out, s_q, t), lse2[..., :s_q]
+
+
+class _Steps(NamedTuple):
+    """What a call's forward and backward steps share (static): the kernels' mask and
+    score functions, how they run, and how a sharded call splits (`sharded`)."""
+    fn: Callable
+    scale: float
+    score: Optional[Callable]
+    impl: str
+    mean_over: Optional[int]   # the keys an unseen row's mean takes, or None
+    seq_first: bool            # the token arrays are sbhd
+    shape: Optional[CallShape]  # the call's batch and heads; None: run unsplit
+    reads: Tuple[bool, bool]   # the functions read the batch / head number as values
+
+    def run(self, body, operands, dims, out_dims):
+        return sharded.run(body, operands, dims, out_dims, self.shape, self.reads)
+
+    def q_dims(self) -> Dims:
+        return sharded.tokens(self.seq_first, Q_HEADS, Q_TOKENS)
+
+    def kv_dims(self, token=KV_TOKENS) -> Dims:
+        return sharded.tokens(self.seq_first, KV_HEADS, token)
+
+    def lead(self, x, heads=True):
+        return None if x is None else sharded.leading(x, self.shape, heads)
+
+    def kernel_dims(self, values, ints):
+        """Dims of the score values and the map's int operands (`_operands`' ints)."""
+        fwd_lists, bwd_lists, qa, ka, dense, flag = ints
+        return ((tuple(self.lead(x) for x in values),
+                 tuple(self.lead(x) for x in fwd_lists), tuple(self.lead(x) for x in bwd_lists),
+                 self.lead(qa, heads=False), self.lead(ka, heads=False), self.lead(dense),
+                 None if flag is None else Dims((None,) * jnp.ndim(flag))))
+
+
+def _steps(fn, scale, score, impl, mean_over, seq_first, q, k, values, ints,
+           partitioned) -> _Steps:
+    shape, reads = None, (False, False)
+    if partitioned and impl in PARTITIONED:
+        b, _ = batch_tokens(q, seq_first)
+        _, _, qa, ka, dense, _ = ints
+        shape = CallShape(b, q.shape[2], k.shape[2])
+        reads = sharded.reads_numbers(fn, score, 0 if qa is None else qa.shape[1],
+                                      0 if ka is None else ka.shape[1], dense is not None,
+                                      values)
+    return _Steps(fn, scale, score, impl, mean_over, seq_first, shape, reads)
 
 
 def _token_axis(layout: str) -> int:
@@ -220,67 +275,102 @@ def _padded(km: KernelMask, s_q: int, s_kv: int) -> KernelMask:
                       _pad_tokens(km.kv_arrays, whole(s_kv), axis=2), km.dense, fn)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _attention(fn, scale, score, impl, mean_over, seq_first, q, k, v, fill, values, ints):
-    """`fill` (None, or the mean of v's `mean_over` real keys per query head) is what
-    rows that see no key give; the backward adds its gradient to dv. `seq_first`: the
-    token arrays are sbhd."""
-    return _forward(fn, scale, score, impl, seq_first, q, k, v, fill, values, ints)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(steps: _Steps, q, k, v, v_real, values, ints):
+    """`v_real` (None, or v before its padding, a constant: `_call`) gives the mean of
+    its `steps.mean_over` keys per query head to rows that see no key; the backward
+    adds that mean's gradient to dv."""
+    return _forward(steps, q, k, v, v_real, values, ints)
 
 
-def _forward(fn, scale, score, impl, seq_first, q, k, v, fill, values, ints):
-    fwd_lists, _, qa, ka, dense, _ = ints
-    km = KernelMask(qa, ka, dense, fn)
-    kw = dict(scale=scale, score=score, score_values=values, fill=fill)
-    if impl == "mosaic":
-        return kernel_fwd.forward(q, k, v, fwd_lists, km, seq_first=seq_first, **kw)
-    # (the reference walks take bshd alone)
-    out, lse2 = reference.forward(*(_bshd(x, seq_first) for x in (q, k, v)), fwd_lists,
-                                  km, **kw)
-    return _bshd(out, seq_first), lse2
+def _forward(steps: _Steps, q, k, v, v_real, values, ints):
+    fwd_lists, _, qa, ka, dense, flag = ints
+    impl, seq_first = steps.impl, steps.seq_first
+
+    def body(q, k, v, v_real, values, fwd_lists, qa, ka, dense, flag):
+        fill = None
+        if steps.mean_over is not None:
+            fill = value_mean(_bshd(v_real, seq_first), q.shape[2], lambda x: unseen.gated_token_sum(
+                x, flag, kernel=impl == "mosaic" and not seq_first))
+        km = KernelMask(qa, ka, dense, steps.fn)
+        kw = dict(scale=steps.scale, score=steps.score, score_values=values, fill=fill)
+        if impl == "mosaic":
+            return kernel_fwd.forward(q, k, v, fwd_lists, km, seq_first=seq_first, **kw)
+        # (the reference walks take bshd alone)
+        out, lse2 = reference.forward(*(_bshd(x, seq_first) for x in (q, k, v)), fwd_lists,
+                                      km, **kw)
+        return _bshd(out, seq_first), lse2
+    if steps.shape is None:
+        return body(q, k, v, v_real, values, fwd_lists, qa, ka, dense, flag)
+    value_dims, list_dims, _, qa_dims, ka_dims, dense_dims, flag_dims = steps.kernel_dims(values,
+                                                                                          ints)
+    dims = (steps.q_dims(), steps.kv_dims(), steps.kv_dims(),
+            None if v_real is None else steps.kv_dims(token=None), value_dims, list_dims,
+            qa_dims, ka_dims, dense_dims, flag_dims)
+    return steps.run(body, (q, k, v, v_real, values, fwd_lists, qa, ka, dense, flag), dims,
+                     (steps.q_dims(), LSE_DIMS))
 
 
-def _fwd(fn, scale, score, impl, mean_over, seq_first, q, k, v, fill, values, ints):
-    out, lse2 = _forward(fn, scale, score, impl, seq_first, q, k, v, fill, values, ints)
+def _fwd(steps, q, k, v, v_real, values, ints):
+    out, lse2 = _forward(steps, q, k, v, v_real, values, ints)
     return (out, lse2), (q, k, v, values, ints, out, lse2)
 
 
-def _bwd(fn, scale, score, impl, mean_over, seq_first, res, cts):
+def _bwd(steps: _Steps, res, cts):
     q, k, v, values, ints, out, lse2 = res
     do = cts[0].astype(q.dtype)
     fwd_lists, bwd_lists, qa, ka, dense, flag = ints
-    km = KernelMask(qa, ka, dense, fn)
-    tokens = "sbhd" if seq_first else "bshd"
-    delta = jnp.einsum(f"{tokens},{tokens}->bhs", out.astype(jnp.float32),
-                       do.astype(jnp.float32))
-    # A reduction of its own: fused into the stack below, XLA computed it element by
-    # element in a loop fusion, which cost as much as a third of the backward.
-    delta = jax.lax.optimization_barrier(delta)
-    # +inf on rows with no visible key: their probabilities exp2(s - lse) are 0
-    lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
-    kw = dict(scale=scale, score=score, score_values=values)
-    dv_add = None
-    if mean_over is not None:
-        # An unseen row's output is the mean of v: its cotangent reaches every key's dv
-        # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
-        # A masked sum over the sequence reads dO once (as an einsum, XLA transposed dO
-        # for a matmul first), where the gate is open.
-        dv_add = unseen.gated_token_sum(_bshd(do, seq_first), flag, lse2,
-                                        kernel=impl == "mosaic" and not seq_first) / mean_over
-    if impl == "mosaic":
-        dq, d_q_values, d_d_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km,
-                                                   seq_first=seq_first, **kw)
-        dk, dv, d_kv_values = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km,
-                                             dv_add=dv_add, seq_first=seq_first, **kw)
-    else:   # (the reference walks take bshd alone)
-        bq, bk, bv, bdo = (_bshd(x, seq_first) for x in (q, k, v, do))
-        dq, d_q_values, d_d_values = reference.dq(bq, bk, bv, bdo, lse_delta, fwd_lists, km, **kw)
-        dk, dv, d_kv_values = reference.dkv(bq, bk, bv, bdo, lse_delta, bwd_lists, km,
-                                            dv_add=dv_add, **kw)
-        dq, dk, dv = (_bshd(x, seq_first) for x in (dq, dk, dv))
-    dk, dv = (_group_sum(x, k.shape[2]).astype(k.dtype) for x in (dk, dv))
-    d_values = tuple(_summed_to(g, x) for g, x in
-                     zip((d_q_values, d_kv_values, d_d_values), values))
+    impl, seq_first = steps.impl, steps.seq_first
+
+    def body(q, k, v, values, fwd_lists, bwd_lists, qa, ka, dense, flag, out, lse2, do):
+        km = KernelMask(qa, ka, dense, steps.fn)
+        tokens = "sbhd" if seq_first else "bshd"
+        delta = jnp.einsum(f"{tokens},{tokens}->bhs", out.astype(jnp.float32),
+                           do.astype(jnp.float32))
+        # A reduction of its own: fused into the stack below, XLA computed it element by
+        # element in a loop fusion, which cost as much as a third of the backward.
+        delta = jax.lax.optimization_barrier(delta)
+        # +inf on rows with no visible key: their probabilities exp2(s - lse) are 0
+        lse_delta = jnp.stack([jnp.where(lse2 == -jnp.inf, jnp.inf, lse2), delta], axis=2)
+        kw = dict(scale=steps.scale, score=steps.score, score_values=values)
+        dv_add = None
+        if steps.mean_over is not None:
+            # An unseen row's output is the mean of v: its cotangent reaches every key's dv
+            # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
+            # A masked sum over the sequence reads dO once (as an einsum, XLA transposed dO
+            # for a matmul first), where the gate is open.
+            dv_add = unseen.gated_token_sum(_bshd(do, seq_first), flag, lse2,
+                                            kernel=impl == "mosaic" and not seq_first
+                                            ) / steps.mean_over
+        if impl == "mosaic":
+            dq, d_q_values, d_d_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km,
+                                                       seq_first=seq_first, **kw)
+            dk, dv, d_kv_values = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km,
+                                                 dv_add=dv_add, seq_first=seq_first, **kw)
+        else:   # (the reference walks take bshd alone)
+            bq, bk, bv, bdo = (_bshd(x, seq_first) for x in (q, k, v, do))
+            dq, d_q_values, d_d_values = reference.dq(bq, bk, bv, bdo, lse_delta, fwd_lists,
+                                                      km, **kw)
+            dk, dv, d_kv_values = reference.dkv(bq, bk, bv, bdo, lse_delta, bwd_lists, km,
+                                                dv_add=dv_add, **kw)
+            dq, dk, dv = (_bshd(x, seq_first) for x in (dq, dk, dv))
+        dk, dv = (_group_sum(x, k.shape[2]).astype(k.dtype) for x in (dk, dv))
+        d_values = tuple(_summed_to(g, x) for g, x in
+                         zip((d_q_values, d_kv_values, d_d_values), values))
+        return dq, dk, dv, d_values
+
+    operands = (q, k, v, values, fwd_lists, bwd_lists, qa, ka, dense, flag, out, lse2, do)
+    if steps.shape is None:
+        dq, dk, dv, d_values = body(*operands)
+    else:
+        value_dims, fwd_dims, bwd_dims, qa_dims, ka_dims, dense_dims, flag_dims = \
+            steps.kernel_dims(values, ints)
+        dims = (steps.q_dims(), steps.kv_dims(), steps.kv_dims(), value_dims, fwd_dims,
+                bwd_dims, qa_dims, ka_dims, dense_dims, flag_dims, steps.q_dims(), LSE_DIMS,
+                steps.q_dims())
+        dq, dk, dv, d_values = steps.run(body, operands, dims,
+                                         (steps.q_dims(), steps.kv_dims(), steps.kv_dims(),
+                                          value_dims))
     zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), ints)
     return dq, dk, dv, None, d_values, zeros
 

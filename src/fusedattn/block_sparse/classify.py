@@ -269,4 +269,12 @@ def _scatter_add(xp, shape, index, values):
         out = np.zeros(shape, np.float32)
         np.add.at(out, tuple(np.broadcast_arrays(*index)), values)
         return out
-    return jnp.zeros(shape, jnp.float32).at[index].add(values)
+    # A scatter with a batch dimension, which XLA splits with a sharded batch (indexed
+    # by an iota of batch rows, it gathered the rows). The rows' index is made from the
+    # columns' so that both carry their sharding.
+    _, rows, cols = index
+    at = jnp.stack([jnp.zeros_like(cols) + rows, cols], axis=-1)
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(), inserted_window_dims=(1, 2), scatter_dims_to_operand_dims=(1, 2),
+        operand_batching_dims=(0,), scatter_indices_batching_dims=(0,))
+    return jax.lax.scatter_add(jnp.zeros(shape, jnp.float32), at, values, dims)

@@ -8,7 +8,7 @@ device.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +53,18 @@ def mask_mod_reads(mask_mod, args: Sequence, batch: int, heads: int, s_q: int,
     captured = [v for v, c in zip(jaxpr.constvars, closed.consts) if jnp.ndim(c) > 0]
     return Reads(*(_depends(jaxpr, group) for group in (
         [jaxpr.invars[0]], [jaxpr.invars[1]], jaxpr.invars[4:] + captured)))
+
+
+def depends(fn, specs: Sequence, argnums: Sequence[int]) -> Tuple[bool, ...]:
+    """Per argument in `argnums`, whether `fn`'s result depends on it (`specs`: a
+    pytree of ShapeDtypeStructs per argument, None for an argument that is None;
+    conservative, as `mask_mod_reads`)."""
+    closed = jax.make_jaxpr(fn)(*specs)
+    jaxpr = closed.jaxpr
+    leaves = [len(jax.tree_util.tree_leaves(s)) for s in specs]
+    starts = [sum(leaves[:i]) for i in range(len(specs))]
+    return tuple(_depends(jaxpr, jaxpr.invars[starts[i]:starts[i] + leaves[i]])
+                 for i in argnums)
 
 
 def _depends(jaxpr, sources) -> bool:
