@@ -208,3 +208,14 @@ def test_the_steps_carry_the_rule(partitioned_reference):
     on = text(True)
     assert on.count("CustomSPMDPartitioning") == 2 and on.count("sdy.sharding_rule") >= 2
     assert text(False).count("CustomSPMDPartitioning") == 0
+
+
+def test_a_gathered_axis_under_explicit_axes(partitioned_reference):
+    """Sharding in types with the heads gathered (a head-dependent window): the step's
+    results are typed as its split leaves them, and equal the unsharded call's."""
+    bm = block_map("head_dependent", B, H, S)
+    mesh, spec = _mesh("batch-heads", jax.sharding.AxisType.Explicit)
+    call = lambda q, k, v: bs.block_sparse_attention(q, k, v, bm,  # noqa: E731
+                                                     implementation="reference")
+    _check(call, [], [NamedSharding(mesh, spec)] * 3, dense_visibility(bm, B, H, S),
+           moves=True)

@@ -371,7 +371,7 @@ def typed_like(x, ref):
         return jax.sharding.reshard(x, want)
 
 
-def rule_specs(config: AttnConfig | CallShape, q_dims: Dims, q, dims: Sequence[Dims]):
+def rule_specs(config: AttnConfig, q_dims: Dims, q, dims: Sequence[Dims]):
     """The specs the rule's split gives results of roles `dims` of a native call on `q`,
     whose mesh has Explicit axes. An FFI call's results carry no sharding type; an op
     that meets them (a dequantize) would type its own result unsharded, and the

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..inputs import value_mean
 from ..partitioning import (KV_HEADS, KV_TOKENS, LSE_DIMS, Q_HEADS, Q_TOKENS, CallShape,
-                            Dims)
+                            Dims, typed_like)
 from . import kernel_bwd, kernel_fwd, reference, sharded, unseen_rows as unseen
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
@@ -160,8 +160,12 @@ class _Steps(NamedTuple):
     shape: Optional[CallShape]  # the call's batch and heads; None: run unsplit
     reads: Tuple[bool, bool]   # the functions read the batch / head number as values
 
-    def run(self, body, operands, dims, out_dims):
-        return sharded.run(body, operands, dims, out_dims, self.shape, self.reads)
+    def run(self, body, operands, dims):
+        """``body(*operands)``, split by `sharded` where the call is partitioned;
+        ``dims()``: the operands' and the results' `Dims`."""
+        if self.shape is None:
+            return body(*operands)
+        return sharded.run(body, operands, *dims(), self.shape, self.reads)
 
     def q_dims(self) -> Dims:
         return sharded.tokens(self.seq_first, Q_HEADS, Q_TOKENS)
@@ -290,8 +294,9 @@ def _forward(steps: _Steps, q, k, v, v_real, values, ints):
     def body(q, k, v, v_real, values, fwd_lists, qa, ka, dense, flag):
         fill = None
         if steps.mean_over is not None:
-            fill = value_mean(_bshd(v_real, seq_first), q.shape[2], lambda x: unseen.gated_token_sum(
-                x, flag, kernel=impl == "mosaic" and not seq_first))
+            fill = value_mean(_bshd(v_real, seq_first), q.shape[2],
+                              lambda x: unseen.gated_token_sum(
+                                  x, flag, kernel=impl == "mosaic" and not seq_first))
         km = KernelMask(qa, ka, dense, steps.fn)
         kw = dict(scale=steps.scale, score=steps.score, score_values=values, fill=fill)
         if impl == "mosaic":
@@ -300,15 +305,13 @@ def _forward(steps: _Steps, q, k, v, v_real, values, ints):
         out, lse2 = reference.forward(*(_bshd(x, seq_first) for x in (q, k, v)), fwd_lists,
                                       km, **kw)
         return _bshd(out, seq_first), lse2
-    if steps.shape is None:
-        return body(q, k, v, v_real, values, fwd_lists, qa, ka, dense, flag)
-    value_dims, list_dims, _, qa_dims, ka_dims, dense_dims, flag_dims = steps.kernel_dims(values,
-                                                                                          ints)
-    dims = (steps.q_dims(), steps.kv_dims(), steps.kv_dims(),
-            None if v_real is None else steps.kv_dims(token=None), value_dims, list_dims,
-            qa_dims, ka_dims, dense_dims, flag_dims)
-    return steps.run(body, (q, k, v, v_real, values, fwd_lists, qa, ka, dense, flag), dims,
-                     (steps.q_dims(), LSE_DIMS))
+
+    def dims():
+        value_dims, list_dims, _, *mask_dims = steps.kernel_dims(values, ints)
+        return ((steps.q_dims(), steps.kv_dims(), steps.kv_dims(),
+                 None if v_real is None else steps.kv_dims(token=None), value_dims, list_dims,
+                 *mask_dims), (steps.q_dims(), LSE_DIMS))
+    return steps.run(body, (q, k, v, v_real, values, fwd_lists, qa, ka, dense, flag), dims)
 
 
 def _fwd(steps, q, k, v, v_real, values, ints):
@@ -359,18 +362,17 @@ def _bwd(steps: _Steps, res, cts):
                          zip((d_q_values, d_kv_values, d_d_values), values))
         return dq, dk, dv, d_values
 
-    operands = (q, k, v, values, fwd_lists, bwd_lists, qa, ka, dense, flag, out, lse2, do)
-    if steps.shape is None:
-        dq, dk, dv, d_values = body(*operands)
-    else:
-        value_dims, fwd_dims, bwd_dims, qa_dims, ka_dims, dense_dims, flag_dims = \
-            steps.kernel_dims(values, ints)
-        dims = (steps.q_dims(), steps.kv_dims(), steps.kv_dims(), value_dims, fwd_dims,
-                bwd_dims, qa_dims, ka_dims, dense_dims, flag_dims, steps.q_dims(), LSE_DIMS,
-                steps.q_dims())
-        dq, dk, dv, d_values = steps.run(body, operands, dims,
-                                         (steps.q_dims(), steps.kv_dims(), steps.kv_dims(),
-                                          value_dims))
+    def dims():
+        value_dims, *map_dims = steps.kernel_dims(values, ints)
+        qd, kvd = steps.q_dims(), steps.kv_dims()
+        return ((qd, kvd, kvd, value_dims, *map_dims, qd, LSE_DIMS, qd),
+                (qd, kvd, kvd, value_dims))
+    dq, dk, dv, d_values = steps.run(
+        body, (q, k, v, values, fwd_lists, bwd_lists, qa, ka, dense, flag, out, lse2, do), dims)
+    # (each gradient typed as its primal, as a custom_vjp's must be: under Explicit axes
+    # an axis the split gathered leaves the step's results typed unsplit)
+    dq, dk, dv = (typed_like(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
+    d_values = tuple(None if g is None else typed_like(g, x) for g, x in zip(d_values, values))
     zeros = jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), jax.dtypes.float0), ints)
     return dq, dk, dv, None, d_values, zeros
 

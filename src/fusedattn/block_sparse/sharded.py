@@ -114,21 +114,32 @@ def _run(step: _Step, flat):
 
 def _body(step: _Step, *flat):
     # (as native_op's body: under jit, so arrays it creates are an inner call's
-    # constants; under Explicit axes, run with them Auto and typed by the rule)
+    # constants; under Explicit axes, run with them Auto and typed by the split)
     inner = jax.jit(functools.partial(_run, step))
-    return tuple(P.in_auto_axes(
-        lambda *x: inner(x), flat[0],
-        lambda: P.rule_specs(step.shape, step.in_dims[0], flat[0], step.out_dims), *flat))
+
+    def typed():
+        q = flat[0]
+        mesh = P.explicit_mesh(q)
+        split = _decide(step, dict(mesh.shape),
+                        [("q", step.in_dims[0], jax.typeof(q).sharding.spec)])
+        return tuple(split.spec(d) for d in step.out_dims)
+    return tuple(P.in_auto_axes(lambda *x: inner(x), flat[0], typed, *flat))
 
 
 def _split(step: _Step, mesh, arg_shapes) -> P.Split:
     arrays = [("q" if i == 0 else f"operand {i}", dims,
                s.sharding.spec if isinstance(s.sharding, NamedSharding) else None)
               for i, (dims, s) in enumerate(zip(step.in_dims, arg_shapes))]
-    split = P.decide(step.shape, dict(mesh.shape), arrays)
+    return _decide(step, dict(mesh.shape), arrays)
+
+
+def _decide(step: _Step, mesh_shape, arrays) -> P.Split:
+    """The rule's split, less an axis whose number the kernels' functions read."""
+    split = P.decide(step.shape, mesh_shape, arrays)
     batch, heads = ((() if read else axes) for read, axes in
                     zip(step.reads, (split.batch, split.heads)))
-    notes = tuple(f"the mask or score function reads the {what} number: gathered"
+    notes = tuple(f"the mask or score function reads the {what} number (or could not be "
+                  f"traced apart from the kernels): {what} gathered"
                   for what, read, axes in (("batch", step.reads[0], split.batch),
                                            ("head", step.reads[1], split.heads))
                   if read and axes)
