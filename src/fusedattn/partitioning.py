@@ -18,7 +18,8 @@ A sharding the rule cannot honour without moving data gets the cheapest
 correct plan (the partitioner gathers only what the rule must have whole),
 and `Split.notes` says what moved and why; `explain()` prints it. The rule
 knows nothing about any backend: `backends/native_op.py` applies it to the
-cudnn, small_seq, ck and block_sparse calls alike.
+cudnn, small_seq, ck and block_sparse calls alike, and `block_sparse/sharded.py` to
+the steps of a direct `block_sparse_attention` call.
 """
 from __future__ import annotations
 

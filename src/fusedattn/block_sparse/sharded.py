@@ -15,8 +15,8 @@ Arrays indexed by them are the shard's rows, so that is right; a function that r
 the numbers as values (`reads_numbers`) would compute with the wrong ones, so that
 axis is gathered instead.
 
-The fusedattn backend builds its map per device under `backends/native_op`'s copy of
-the rule and calls the steps unsplit.
+The fusedattn backend builds its map per device inside `backends/native_op`, which
+applies the same rule to the whole call, and runs the steps there unsplit.
 """
 from __future__ import annotations
 
