@@ -54,10 +54,15 @@ class Dims:
         return role in self.roles or (role == Q_HEADS and KV_HEADS in self.roles)
 
 
-def _tensor(config: AttnConfig, heads: str, tokens: str, packed: bool = False) -> Dims:
-    """[b, s, (n,) h, d] in the config's layout (n: the packing dimension)."""
-    lead = (tokens, BATCH) if config.layout == "sbhd" else (BATCH, tokens)
+def token_dims(seq_first: bool, heads: str, tokens: str, packed: bool = False) -> Dims:
+    """[b, s, (n,) h, d] (sequence-first: [s, b, ..]; n: the packing dimension)."""
+    lead = (tokens, BATCH) if seq_first else (BATCH, tokens)
     return Dims(lead + ((None,) if packed else ()) + (heads, None))
+
+
+def _tensor(config: AttnConfig, heads: str, tokens: str, packed: bool = False) -> Dims:
+    """A token array in the config's layout."""
+    return token_dims(config.layout == "sbhd", heads, tokens, packed)
 
 
 def input_dims(config: AttnConfig, inputs):
@@ -83,18 +88,21 @@ def input_dims(config: AttnConfig, inputs):
                         **{n: field(n, getattr(seq, n)) for n in type(seq)._FIELDS})
     return AttnInputs(
         q=q, k=None if inputs.k is None else kv, v=None if inputs.v is None else kv,
-        bias=_broadcast_dims(config.bias_shape),
+        bias=broadcast_dims(config.bias_shape),
         softmax_offset=None if inputs.softmax_offset is None else Dims((Q_HEADS,)),
         sequence=seq, rng=None if inputs.rng is None else Dims((None,)),
         score_mod_args=tuple(Dims((None,) * len(s)) for s, _ in config.score_mod_arg_specs),
-        dense_mask=_broadcast_dims(config.dense_mask_shape))
+        dense_mask=broadcast_dims(config.dense_mask_shape))
 
 
-def _broadcast_dims(shape) -> Optional[Dims]:
-    """A bias or dense mask [1|b, 1|h_q, s_q, s_kv]: batch and heads where not broadcast."""
+def broadcast_dims(shape, heads: bool = True) -> Optional[Dims]:
+    """An array [1|b, 1|h_q, ...] (a bias, a dense mask, a block map's arrays; without
+    `heads` [1|b, ...]): batch and query heads where it is not broadcast over them."""
     if shape is None:
         return None
-    return Dims((BATCH if shape[0] > 1 else None, Q_HEADS if shape[1] > 1 else None, None, None))
+    lead = (BATCH if shape[0] > 1 else None,) + ((Q_HEADS if shape[1] > 1 else None,)
+                                                 if heads else ())
+    return Dims(lead + (None,) * (len(shape) - len(lead)))
 
 
 def output_dims(config: AttnConfig) -> Dims:

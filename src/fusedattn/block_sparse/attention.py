@@ -19,7 +19,7 @@ import numpy as np
 
 from ..inputs import value_mean
 from ..partitioning import (KV_HEADS, KV_TOKENS, LSE_DIMS, Q_HEADS, Q_TOKENS, CallShape,
-                            Dims, typed_like)
+                            Dims, broadcast_dims, token_dims, typed_like)
 from . import kernel_bwd, kernel_fwd, reference, sharded, unseen_rows as unseen
 from .block_map import BlockMap
 from .kernel_mask import KernelMask, kernel_mask
@@ -158,7 +158,9 @@ class _Steps(NamedTuple):
     mean_over: Optional[int]   # the keys an unseen row's mean takes, or None
     seq_first: bool            # the token arrays are sbhd
     shape: Optional[CallShape]  # the call's batch and heads; None: run unsplit
-    reads: Tuple[bool, bool]   # the functions read the batch / head number as values
+    # whether the functions read the batch / head number as values (`sharded`: asked
+    # only where a split is decided)
+    reads: Optional[Callable[[], Tuple[bool, bool]]]
 
     def run(self, body, operands, dims):
         """``body(*operands)``, split by `sharded` where the call is partitioned;
@@ -168,33 +170,37 @@ class _Steps(NamedTuple):
         return sharded.run(body, operands, *dims(), self.shape, self.reads)
 
     def q_dims(self) -> Dims:
-        return sharded.tokens(self.seq_first, Q_HEADS, Q_TOKENS)
+        return token_dims(self.seq_first, Q_HEADS, Q_TOKENS)
 
     def kv_dims(self, token=KV_TOKENS) -> Dims:
-        return sharded.tokens(self.seq_first, KV_HEADS, token)
+        return token_dims(self.seq_first, KV_HEADS, token)
 
-    def lead(self, x, heads=True):
-        return None if x is None else sharded.leading(x, self.shape, heads)
-
-    def kernel_dims(self, values, ints):
-        """Dims of the score values and the map's int operands (`_operands`' ints)."""
+    @staticmethod
+    def kernel_dims(values, ints):
+        """Dims of the score values and the map's int operands (`_operands`' ints): each
+        ``[B|1, H|1, ..]``, the mask arrays ``[B|1, ..]``."""
         fwd_lists, bwd_lists, qa, ka, dense, flag = ints
-        return ((tuple(self.lead(x) for x in values),
-                 tuple(self.lead(x) for x in fwd_lists), tuple(self.lead(x) for x in bwd_lists),
-                 self.lead(qa, heads=False), self.lead(ka, heads=False), self.lead(dense),
+        def lead(x, heads=True):
+            return None if x is None else broadcast_dims(x.shape, heads)
+        return ((tuple(lead(x) for x in values),
+                 tuple(lead(x) for x in fwd_lists), tuple(lead(x) for x in bwd_lists),
+                 lead(qa, heads=False), lead(ka, heads=False), lead(dense),
                  None if flag is None else Dims((None,) * jnp.ndim(flag))))
 
 
 def _steps(fn, scale, score, impl, mean_over, seq_first, q, k, values, ints,
            partitioned) -> _Steps:
-    shape, reads = None, (False, False)
+    shape, reads = None, None
     if partitioned and impl in PARTITIONED:
         b, _ = batch_tokens(q, seq_first)
         _, _, qa, ka, dense, _ = ints
         shape = CallShape(b, q.shape[2], k.shape[2])
-        reads = sharded.reads_numbers(fn, score, 0 if qa is None else qa.shape[1],
-                                      0 if ka is None else ka.shape[1], dense is not None,
-                                      values)
+        # (how many row / column arrays the mask reads, and values the score reads:
+        # mask arrays [B|1, n, s], score values [B|1, H|1, n, s])
+        reads = functools.cache(functools.partial(
+            sharded.reads_numbers, fn, score, 0 if qa is None else qa.shape[1],
+            0 if ka is None else ka.shape[1], dense is not None,
+            tuple(0 if x is None else x.shape[2] for x in values)))
     return _Steps(fn, scale, score, impl, mean_over, seq_first, shape, reads)
 
 

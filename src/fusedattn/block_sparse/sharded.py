@@ -34,33 +34,18 @@ from .dependence import depends
 from .kernel_parts import BLOCK
 
 
-# ---- what each operand's dimensions are ---------------------------------------------------
-def tokens(seq_first: bool, heads: str, token: str) -> P.Dims:
-    """A token array [b, s, h, d] (sbhd: [s, b, h, d])."""
-    return P.Dims((token, P.BATCH, heads, None) if seq_first else (P.BATCH, token, heads, None))
-
-
-def leading(x, shape: P.CallShape, heads: bool = True) -> P.Dims:
-    """An array ``[B|1, H|1, ...]`` (``[B|1, ...]`` without `heads`): the batch and
-    query heads where it is not broadcast over them."""
-    lead = [P.BATCH if x.shape[0] == shape.batch > 1 else None]
-    if heads:
-        lead.append(P.Q_HEADS if x.shape[1] == shape.h_q > 1 else None)
-    return P.Dims(tuple(lead) + (None,) * (x.ndim - len(lead)))
-
-
 def reads_numbers(mask_fn, score, n_q: int, n_kv: int, dense: bool,
-                  values: Sequence) -> Tuple[bool, bool]:
+                  n_values: Sequence[int]) -> Tuple[bool, bool]:
     """(batch, head): whether the kernels' mask function or score function computes
     with the batch / head number itself, rather than only reading arrays the step
     already sliced by it (`kernel_mask`'s and `kernel_score`'s tile forms)."""
     try:
-        return _reads_numbers(mask_fn, score, n_q, n_kv, dense, values)
+        return _reads_numbers(mask_fn, score, n_q, n_kv, dense, n_values)
     except Exception:  # (not traceable apart from the kernels: split neither axis)
         return True, True
 
 
-def _reads_numbers(mask_fn, score, n_q, n_kv, dense, values):
+def _reads_numbers(mask_fn, score, n_q, n_kv, dense, n_values):
     i32, f32 = jnp.int32, jnp.float32
     num = jax.ShapeDtypeStruct((), i32)
     row, col = jax.ShapeDtypeStruct((BLOCK, 1), i32), jax.ShapeDtypeStruct((1, BLOCK), i32)
@@ -69,8 +54,7 @@ def _reads_numbers(mask_fn, score, n_q, n_kv, dense, values):
     bits = jax.ShapeDtypeStruct((BLOCK, BLOCK), bool) if dense else None
     batch, head = depends(mask_fn, (num, num, row, col, rows, cols, bits), (0, 1))
     if score is not None:
-        count = [0 if x is None else x.shape[2] for x in values]
-        tiles = [[tile] * n for n in count]
+        tiles = [[tile] * n for n in n_values]
         sb, sh = depends(lambda b, h, q, kv, x, t: score.call(x, b, h, q, kv, t[0], t[1],
                                                               diags=t[2]),
                          (num, num, row, col, tile, tiles), (0, 1))
@@ -83,7 +67,7 @@ def _reads_numbers(mask_fn, score, n_q, n_kv, dense, values):
 class _Step:
     body: Callable            # per device: body(*operands) -> results
     shape: P.CallShape        # the call's batch and heads
-    reads: Tuple[bool, bool]  # `reads_numbers`: the batch / heads may not be split
+    reads: Callable[[], Tuple[bool, bool]]  # `reads_numbers`, asked where a split is decided
     in_tree: Any
     in_dims: Tuple[P.Dims, ...]
     out_tree: Any
@@ -91,7 +75,7 @@ class _Step:
 
 
 def run(body: Callable, operands: Sequence, dims: Sequence, out_dims, shape: P.CallShape,
-        reads: Tuple[bool, bool]):
+        reads: Callable[[], Tuple[bool, bool]]):
     """``body(*operands)`` split over q's (the first operand's) batch and heads.
     `dims` is a pytree of `Dims` matching `operands` (None where an operand is None);
     `out_dims` the results' (a pytree of `Dims` as the results are of arrays)."""
@@ -136,12 +120,13 @@ def _split(step: _Step, mesh, arg_shapes) -> P.Split:
 def _decide(step: _Step, mesh_shape, arrays) -> P.Split:
     """The rule's split, less an axis whose number the kernels' functions read."""
     split = P.decide(step.shape, mesh_shape, arrays)
+    reads = step.reads() if not split.trivial else (False, False)
     batch, heads = ((() if read else axes) for read, axes in
-                    zip(step.reads, (split.batch, split.heads)))
+                    zip(reads, (split.batch, split.heads)))
     notes = tuple(f"the mask or score function reads the {what} number (or could not be "
                   f"traced apart from the kernels): {what} gathered"
-                  for what, read, axes in (("batch", step.reads[0], split.batch),
-                                           ("head", step.reads[1], split.heads))
+                  for what, read, axes in (("batch", reads[0], split.batch),
+                                           ("head", reads[1], split.heads))
                   if read and axes)
     return P.Split(batch, heads, split.notes + notes)
 
