@@ -81,8 +81,8 @@ def test_preference_order_and_broken_backends(monkeypatch):
         name="small_seq", platforms=("cuda",), supports=lambda c: 1 / 0))
     plan = dispatch.plan(cfg, platform="cuda")
     reasons = dict(plan.reasons)
-    assert [n for n, _ in plan.reasons][:5] == ["small_seq", "block_sparse", "cudnn", "flash",
-                                                "xla"]
+    assert [n for n, _ in plan.reasons][:6] == ["small_seq", "block_sparse", "cudnn", "flash",
+                                                "block_sparse_xla", "xla"]
     assert "ZeroDivisionError" in reasons["small_seq"]
     assert "libcudnn.so.9" in reasons["cudnn"]
     assert plan.chosen == "xla"

@@ -264,7 +264,7 @@ def test_dropin_masks_run_as_mask_mods(fn, hopper_reference, monkeypatch):
     assert empty.any() == (fn is not flax_packed)   # (padded rows see nothing)
 
 
-def test_a_named_backend_or_no_hopper_keeps_the_mask(hopper_reference, monkeypatch):
+def test_a_named_backend_or_no_block_map_backend_keeps_the_mask(hopper_reference, monkeypatch):
     q, k, v, _ = _qkvo()
     seg = _segments()
 
@@ -282,6 +282,10 @@ def test_a_named_backend_or_no_hopper_keeps_the_mask(hopper_reference, monkeypat
     named = plan("block_sparse")
     assert named.config.has_dense_mask and "mask_program" not in named.rewritten
     monkeypatch.setattr(backend, "on_hopper", lambda: False)
+    dispatch.clear_cache()   # (the same program, its map walked in XLA)
+    assert plan().chosen == "block_sparse_xla" and not plan().config.has_dense_mask
+    monkeypatch.setitem(dispatch.PREFERENCE, "cuda", tuple(
+        n for n in dispatch.PREFERENCE["cuda"] if n != "block_sparse_xla"))
     dispatch.clear_cache()
     assert plan().config.has_dense_mask and plan().chosen == "xla"
 
@@ -354,17 +358,23 @@ def test_a_mask_passed_in_says_where_to_build_it(hopper_reference):
     assert said == [True, True, False, False, False, False], found
 
 
-@pytest.mark.parametrize("hopper", [True, False])
-def test_only_the_plan_that_runs_is_logged(hopper, hopper_reference, monkeypatch, caplog):
-    """The program's plan, tried first, is logged only where it runs; the mask's plan
-    only where that runs (one line a call, for the config that runs)."""
-    if not hopper:
+@pytest.mark.parametrize("route", ["block_sparse", "block_sparse_xla", "xla"])
+def test_only_the_plan_that_runs_is_logged(route, hopper_reference, monkeypatch, caplog):
+    """The program's plan, tried first, is logged only where it runs (on a block map:
+    block_sparse, or its walks in XLA without a Hopper); the mask's plan only where that
+    runs (one line a call, for the config that runs)."""
+    if route != "block_sparse":
         monkeypatch.setattr(backend, "on_hopper", lambda: False)
-        dispatch.clear_cache()
+    if route == "xla":
+        monkeypatch.setitem(dispatch.PREFERENCE, "cuda", tuple(
+            n for n in dispatch.PREFERENCE["cuda"] if n != "block_sparse_xla"))
+    dispatch.clear_cache()
+    program = route != "xla"
     q = jnp.zeros((SB, SS, SH, SD), jnp.bfloat16)
     with caplog.at_level("INFO", logger="fusedattn"):
         jax.eval_shape(lambda q, t: fusedattn.flax.attention_fn(
             q, q, q, mask=nn.make_attention_mask(t > 0, t > 0)), q, _tokens())
     lines = [r.getMessage() for r in caplog.records if "fusedattn: " in r.getMessage()]
     assert len(lines) == 1, lines
-    assert ("traced_mask" in lines[0]) == hopper and ("bool-mask" in lines[0]) != hopper, lines
+    assert lines[0].endswith(f"-> {route}"), lines
+    assert ("traced_mask" in lines[0]) == program and ("bool-mask" in lines[0]) != program, lines

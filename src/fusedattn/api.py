@@ -131,7 +131,8 @@ def _distributed(plan: dispatch.Plan, inputs) -> str:
         return ""
     mesh_shape, specs = found
     split = partitioning.decide(config, mesh_shape, list(zip(names, dims, specs)))
-    return partitioning.describe(config, mesh_shape, split, plan.chosen)
+    return partitioning.describe(config, mesh_shape, split, plan.chosen,
+                                 arg_grads=dispatch.runs_block_maps(plan.chosen))
 
 
 def _held(dims, inputs):

@@ -190,7 +190,8 @@ def masked_attention(q, k, v, *, bias=None, mask=None, is_causal=False, window=N
     # block_sparse's lse is -inf exactly on the rows that see no key, at no extra cost:
     # those rows come from it instead of an S^2 pass over the mask. Where the plan asked
     # for jax.nn's rule (`_planned`), its kernel has written the mean there already.
-    lse_marks_unseen = not rows_see_keys and not plan.groups and plan.require() == "block_sparse"
+    lse_marks_unseen = (not rows_see_keys and not plan.groups
+                        and dispatch.runs_block_maps(plan.require()))
     filled = plan.config.unseen_rows == "mean"
     lse = None
     if need_lse or lse_marks_unseen:
@@ -308,7 +309,8 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
                                     score_mod_args=found.args, **common)
         # (trials are planned quietly: only the plan that runs is logged, below)
         plan = dispatch.plan(config, backend, quiet=True)
-        if plan.groups or plan.preferred == "block_sparse" or (plan.preferred and plan.rewritten):
+        if (plan.groups or dispatch.runs_block_maps(plan.preferred)
+                or (plan.preferred and plan.rewritten)):
             note = "; ".join(filter(None, (note, f"{_PROGRAM_NOTE}: "
                                            f"{found.program.expression()}", plan.rewritten)))
             # (block_sparse marks the rows that see no key by its lse; every row of a

@@ -303,8 +303,9 @@ def partially_manual() -> bool:
 
 # ---- explain(): the distributed plan --------------------------------------------------
 def describe(config: AttnConfig, mesh_shape: Mapping[str, int], split: Split,
-             backend: str) -> str:
-    """Lines for `explain()`: the split, per-device shapes and the collectives."""
+             backend: str, arg_grads: bool = False) -> str:
+    """Lines for `explain()`: the split, per-device shapes and the collectives
+    (`arg_grads`: the backend's backward gives the float score_mod_args' gradients)."""
     local = local_config(config, split, mesh_shape)
     lines = [f"sharding over mesh {dict(mesh_shape)}:"]
     if split.trivial:
@@ -324,7 +325,7 @@ def describe(config: AttnConfig, mesh_shape: Mapping[str, int], split: Split,
                 grads.append("bias gradient (bias broadcast over a split axis)")
         if config.softmax == "learnable" and split.batch:
             grads.append("softmax_offset gradient (summed over batch shards)")
-        if backend == "block_sparse" and summed and any(
+        if arg_grads and summed and any(
                 jax.numpy.issubdtype(dtype, jax.numpy.floating)
                 for _, dtype in config.score_mod_arg_specs):
             grads.append("float score_mod_args' gradients (each shard's partial sum)")

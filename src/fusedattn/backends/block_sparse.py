@@ -77,22 +77,30 @@ def in_segments(config: AttnConfig, fn, args, score: bool, inputs=None):
     return InSegments(fn, score=score), (*args, *positions)
 
 
-def config_reason(config: AttnConfig) -> Optional[str]:
-    """What the kernels cannot run, from the config alone (None: they can)."""
+def config_reason(config: AttnConfig, kernels: bool = True) -> Optional[str]:
+    """What the kernels (with `kernels` False: the list walks in XLA,
+    `block_sparse_xla`) cannot run, from the config alone (None: they can)."""
     mask_mod, _ = parts(config)
+    # (the walks take the built-in masks and packed segments too: they reach them only
+    # where cudnn and flash cannot run them, and skip what XLA would compute)
+    built_in = not kernels and (config.causal or config.window is not None or config.is_packed)
     rules = (
         # (a score_mod with no in-kernel form: `args_reason` below says why)
         # (under packing every score_mod runs here: cuDNN refuses them with segments)
         (mask_mod is None and not config.has_dense_mask and not _score_by_position(config)
          and not (config.is_packed and config.score_mod is not None)
-         and args_reason(config) is None,
+         and not built_in and args_reason(config) is None,
          "runs a mask_mod's or a dense boolean mask's block map, or a score_mod reading "
          "arrays by position; this call has none (cudnn and flash skip the built-in "
-         "masks' blocks)"),
+         "masks' blocks)" if kernels else
+         "runs a block map: this call has no mask, window, packed segments or score_mod "
+         "reading arrays by position (every pair is visible: xla runs it)"),
         (config.is_fp8, "no FP8 kernels"),
-        (config.dtype not in DTYPES, f"dtype {config.dtype}: kernels are {'/'.join(DTYPES)}"),
-        (config.d_qk != config.d_v or config.d_qk not in HEAD_DIMS,
+        (kernels and config.dtype not in DTYPES,
+         f"dtype {config.dtype}: kernels are {'/'.join(DTYPES)}"),
+        (kernels and (config.d_qk != config.d_v or config.d_qk not in HEAD_DIMS),
          f"head dims {config.d_qk}/{config.d_v}: kernels take d_qk == d_v in {HEAD_DIMS}"),
+        (config.d_qk != config.d_v, f"head dims {config.d_qk}/{config.d_v}: takes d_qk == d_v"),
         (config.sequence not in ("dense", "padding", "packed"),
          f"sequence {config.sequence!r}: takes dense, padded or packed sequences"),
         (config.has_bias or config.has_dropout or config.softmax != "vanilla",
@@ -242,12 +250,21 @@ class BlockSparseBackend(native_op.NativeBackend):
     name = "block_sparse"
     platforms = ("cuda",)
     takes_dense_mask = True  # dispatch passes the drop-ins' mask as it is (no bias)
+    runs_block_maps = True
     averages_unseen_rows = True  # config.unseen_rows="mean": the forward kernel writes it
 
-    def supports(self, config: AttnConfig) -> Optional[str]:
+    def implementation(self) -> str:
+        """What runs the lists (`block_sparse.attention.IMPLEMENTATIONS`)."""
+        return IMPLEMENTATION
+
+    def config_reason(self, config: AttnConfig) -> Optional[str]:
         why = config_reason(config)
         if why is None and not on_hopper():
             why = "its Mosaic GPU kernels need a Hopper GPU (compute capability 9.0)"
+        return why
+
+    def supports(self, config: AttnConfig) -> Optional[str]:
+        why = self.config_reason(config)
         if why is None:
             try:   # (both evaluate the mask_mod on the host at trace time)
                 if static(config):
@@ -294,7 +311,7 @@ class BlockSparseBackend(native_op.NativeBackend):
                                           score=True, inputs=inputs)
             # (already one device's shard: native_op partitions the call)
             return attend(q, k, v, *operands, bm, scale=config.scale, score_mod=score_mod,
-                          score_mod_args=args, implementation=IMPLEMENTATION,
+                          score_mod_args=args, implementation=self.implementation(),
                           unseen_rows=config.unseen_rows, layout=config.layout,
                           partitioned=False)
         # (under Explicit axes the map's and the list walks' gathers run with the axes

@@ -71,9 +71,38 @@ def _logits(qt, kt, *, kmask, scale, score, values, b, h, q0, k0, partial, sides
     return jnp.where(visible, s * LOG2E, -jnp.inf), pull
 
 
-def _grid(fn, B, H, T):
-    return jax.vmap(jax.vmap(jax.vmap(fn, (None, None, 0)), (None, 0, None)), (0, None, None))(
-        jnp.arange(B), jnp.arange(H), jnp.arange(T))
+# Vmapped, a list walk runs as many steps as the longest list among its lanes, and on a
+# GPU each step of XLA's loop costs a fixed launch and predicate read as well as its
+# lanes' work. So each (batch, head)'s tiles are sorted by their lists' lengths and
+# walked in GROUPS runs, each as long as its own longest list, where a run keeps at least
+# MIN_LANES lanes (fewer steps, not fewer lanes, pay then). The sort stays within a
+# (batch, head): a batch / head split of the walks needs no collective. Measured
+# (`benchmarks/tune/walk_fallback.py`, docs/decisions.md): causal maps gain most, maps
+# whose lists are all alike lose a few percent.
+GROUPS = 2
+MIN_LANES = 512
+
+
+def _grid(fn, lists, B, H, T):
+    """`fn(b, h, t)` of every tile, stacked ``[B, H, T, ...]``; `lists` (the map's four
+    ``[B|1, H|1, T, ...]`` lists) give each tile's walk length."""
+    groups = GROUPS if (T % GROUPS == 0 and T >= 2 * GROUPS
+                        and B * H * T // GROUPS >= MIN_LANES) else 1
+    if groups == 1:
+        return jax.vmap(jax.vmap(jax.vmap(fn, (None, None, 0)), (None, 0, None)),
+                        (0, None, None))(jnp.arange(B), jnp.arange(H), jnp.arange(T))
+    # (each run's tiles differ by (batch, head): t is batched along both)
+    each = jax.vmap(jax.vmap(jax.vmap(fn, (None, None, 0)), (None, 0, 0)), (0, None, 0))
+    counts = jnp.broadcast_to(lists[0] + lists[2], (B, H, T))
+    order = jnp.argsort(counts, axis=-1, stable=True)                # [B, H, T]
+    runs = [each(jnp.arange(B), jnp.arange(H), order[:, :, i:i + T // groups])
+            for i in range(0, T, T // groups)]
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.concatenate(xs, axis=2), *runs)
+    back = jnp.argsort(order, axis=-1)                               # tile -> its place
+
+    def unsort(x):
+        return jnp.take_along_axis(x, back.reshape(back.shape + (1,) * (x.ndim - 3)), axis=2)
+    return jax.tree_util.tree_map(unsort, stacked)
 
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale, score=None,
@@ -110,7 +139,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale, score=None,
             out = jnp.where(empty[:, None], fill[b, h][None], out)
         return out.astype(q.dtype), jnp.where(empty, -jnp.inf, m + jnp.log2(l_safe))
 
-    out, lse = _grid(tile, B, H, S // BLOCK)          # [B, H, T, BLOCK, D], [B, H, T, BLOCK]
+    out, lse = _grid(tile, lists, B, H, S // BLOCK)   # [B, H, T, BLOCK, D], [B, H, T, BLOCK]
     return out.reshape(B, H, S, D).transpose(0, 2, 1, 3), lse.reshape(B, H, S)
 
 
@@ -171,7 +200,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
         acc, dv, dd = lax.fori_loop(0, n, step, init)
         return (acc * scale).astype(q.dtype), dv, dd
 
-    dq_, dv, dd = _grid(tile, B, H, S // BLOCK)
+    dq_, dv, dd = _grid(tile, lists, B, H, S // BLOCK)
     dv = dv.transpose(0, 1, 3, 2, 4).reshape(B, H, len(floats), S) if any(floats) else None
     dd = dd.sum(2) if any(d_floats) else None
     return dq_.reshape(B, H, S, D).transpose(0, 2, 1, 3), dv, dd
@@ -212,7 +241,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
             dv = dv + dv_add[b, h][None]
         return (dk * scale).astype(q.dtype), dv.astype(q.dtype), dw
 
-    dk, dv, dw = _grid(tile, B, H, S_kv // BLOCK)
+    dk, dv, dw = _grid(tile, lists, B, H, S_kv // BLOCK)
     fix = lambda x: x.reshape(B, H, S_kv, D).transpose(0, 2, 1, 3)
     dw = dw.transpose(0, 1, 3, 2, 4).reshape(B, H, len(floats), S_kv) if any(floats) else None
     return fix(dk), fix(dv), dw

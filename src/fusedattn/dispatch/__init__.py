@@ -3,9 +3,9 @@ backends by name (`registry`), and the measurement that picks between rival back
 (`measure`)."""
 from ..vendor import ENV_PLATFORM, current_platform
 from .plan import (ENV_BACKEND, PREFERENCE, MeasuredRivals, Plan, UnsupportedError, clear_cache,
-                   config_for, inputs_for, plan, takes_dense_mask)
+                   config_for, inputs_for, plan, runs_block_maps, takes_dense_mask)
 from .registry import ALL_BACKENDS, load_backend
 
 __all__ = ["ALL_BACKENDS", "ENV_BACKEND", "ENV_PLATFORM", "PREFERENCE", "MeasuredRivals", "Plan",
            "UnsupportedError", "clear_cache", "config_for", "current_platform", "inputs_for",
-           "load_backend", "plan", "takes_dense_mask"]
+           "load_backend", "plan", "runs_block_maps", "takes_dense_mask"]

@@ -45,7 +45,9 @@ log = logging.getLogger("fusedattn")
 PREFERENCE: Dict[str, Tuple[str, ...]] = {
     # block_sparse serves mask_mods and dense boolean masks only (it says so for everything
     # else): before cudnn, which runs every tile of a mask it does not recognise.
-    "cuda": ("small_seq", "block_sparse", "cudnn", "flash", "xla"),
+    # block_sparse_xla walks the same maps in XLA: after the vendors' kernels (faster
+    # every tile), before XLA over all S^2 pairs.
+    "cuda": ("small_seq", "block_sparse", "cudnn", "flash", "block_sparse_xla", "xla"),
     "rocm": ("small_seq", "ck", "xla"),
     "cpu": ("xla",),
 }
@@ -59,6 +61,13 @@ class UnsupportedError(ValueError):
 
 def takes_dense_mask(name: str) -> bool:
     return getattr(load_backend(name), "takes_dense_mask", False)
+
+
+def runs_block_maps(name: Optional[str]) -> bool:
+    """Whether backend `name` runs a mask as a block map (block_sparse, and its list
+    walks in XLA): its lse is -inf exactly on the rows that see no key, and its
+    float score_mod_args get gradients from its backward step."""
+    return name is not None and getattr(load_backend(name), "runs_block_maps", False)
 
 
 def config_for(config: AttnConfig, name: str) -> AttnConfig:

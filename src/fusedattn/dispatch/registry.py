@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from ..backends import block_sparse, ck, cudnn, flash, small_seq, xla
+from ..backends import block_sparse, block_sparse_xla, ck, cudnn, flash, small_seq, xla
 from ..backends.protocol import Backend
 
 BACKENDS: Dict[str, Backend] = {b.name: b for b in (
     small_seq.BACKEND, block_sparse.BACKEND, cudnn.BACKEND, flash.BACKEND, ck.BACKEND,
-    xla.BACKEND)}
+    block_sparse_xla.BACKEND, xla.BACKEND)}
 ALL_BACKENDS: Tuple[str, ...] = tuple(BACKENDS)
 
 
