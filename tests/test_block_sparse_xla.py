@@ -5,7 +5,8 @@ no vendor kernel can either (a mask_mod reading an id array; cuDNN has no gather
 On CPU the platform is patched to CUDA (cudnn and flash are then unusable: no
 extension). Forward and every gradient against the float64 oracle, with GQA,
 padding lengths and jax.nn's rule for rows that see no key; dispatch's route and
-explain(); and no S^2 array in the compiled step, where the XLA backend has them."""
+explain(); a float32 window; the walks in runs by list length; and no S^2 array in the
+compiled step (the XLA backend's, at this size one tile, holds one)."""
 from __future__ import annotations
 
 import re
@@ -109,7 +110,7 @@ def _largest_array(fn, *args) -> int:
 
 def test_no_s2_array_in_a_training_step(gpu, monkeypatch):
     """The walks hold tiles of (batch, head, query block) pairs, never all S^2 pairs; the
-    XLA backend's step (the check's counter-example) holds S^2 logits."""
+    XLA backend's step (the check's counter-example: its scores fit one tile) holds them."""
     s = 2048    # (S^2 pairs a head: 8x q's elements at d 256)
     q = jnp.zeros((1, s, 2, 256), jnp.bfloat16)
     doc = jnp.asarray(doc_ids(1, s, [600, 400]))
@@ -127,25 +128,29 @@ def test_no_s2_array_in_a_training_step(gpu, monkeypatch):
     assert _largest_array(lambda *a: step(*a, backend="xla"), q, q, q, doc) >= pairs
 
 
-@pytest.mark.parametrize("options", [dict(mask="causal"), dict(mask="causal", window=(40, 0)),
-                                     dict(window=(30, 60))], ids=["causal", "window", "two-sided"])
-def test_built_in_masks_in_float32(gpu, options):
-    """cuDNN and FA3 take no float32: a built-in mask's static map is walked, against
-    XLA over all pairs; with no mask at all every pair is visible and xla runs it."""
+@pytest.mark.parametrize("options", [dict(mask="causal", window=(40, 0)), dict(window=(30, 60))],
+                         ids=["causal-window", "two-sided"])
+def test_a_float32_window_xla_would_tile(gpu, monkeypatch, options):
+    """cuDNN and FA3 take no float32: a built-in window whose scores XLA would tile
+    (here the threshold lowered to these shapes) is walked on its static map; below the
+    threshold, and for a causal mask alone or no mask, xla runs it."""
     q, k, v, do = _inputs(64, jnp.float32, seed=2)
+    small = fusedattn.explain(q, k, v, **options)
+    assert small.chosen == "xla" and "XLA would tile" in dict(small.reasons)["block_sparse_xla"]
+    monkeypatch.setattr(backend, "SINGLE_TILE", 1)
+    dispatch.clear_cache()
     plan = fusedattn.explain(q, k, v, **options)
     assert plan.chosen == "block_sparse_xla", str(plan)
     assert "empty" in str(plan)   # (the static map's density)
     out, vjp = jax.vjp(jax.jit(lambda q, k, v: fusedattn.fused_attn(q, k, v, **options)),
                        q, k, v)
-    left, right = options.get("window") or (-1, -1)
+    left, right = options["window"]
     i, j = np.arange(S)[:, None], np.arange(S)[None, :]
-    visible = ((j <= i) if "mask" in options else np.ones((S, S), bool))
-    visible &= ((i - j <= left) | (left < 0)) & ((j - i <= right) | (right < 0))
+    visible = (j <= i) if "mask" in options else np.ones((S, S), bool)
+    visible &= (i - j <= left) & (j - i <= right)
     _check((out, *vjp(do)), jax_nn_oracle(q, k, v, do, visible[None, None])[:4], "float32")
-    plain = fusedattn.explain(q, k, v)
-    assert plain.chosen == "xla" and "every pair is visible" in dict(plain.reasons)[
-        "block_sparse_xla"]
+    for others in (dict(mask="causal"), dict()):
+        assert fusedattn.explain(q, k, v, **others).chosen == "xla"
 
 
 @pytest.mark.parametrize("groups", [2, 4])
@@ -171,3 +176,31 @@ def test_tiles_walked_in_runs_by_list_length(gpu, monkeypatch, groups):
         assert rel_error(runs, one) < 1e-2
     visible = np.asarray(doc[:, None, :, None] == doc[:, None, None, :])
     _check(results[1], jax_nn_oracle(q, k, v, do, visible, causal=True)[:4], "bfloat16")
+
+
+def test_a_drop_in_mask_a_kernel_takes_is_not_walked(gpu, monkeypatch):
+    """A drop-in mask built from ids in the step becomes a mask_mod over them where a
+    block map runs it; where only the walks would, and a vendor kernel takes the mask as
+    it is (a bias, every tile: faster than the walks), the mask stays as it is."""
+    import types
+    from fusedattn.dispatch import registry
+    q = jnp.zeros((B, S, H, 256), jnp.bfloat16)
+
+    def plan():
+        found = []
+
+        def traced(q, doc):
+            found.append(fusedattn.jax_nn.explain(
+                q, q, q, mask=doc[:, None, :, None] == doc[:, None, None, :]))
+            return q
+        jax.eval_shape(traced, q, _docs())
+        return found[0]
+    walked = plan()
+    assert walked.chosen == "block_sparse_xla" and "mask_program" in walked.rewritten
+    # (a stand-in for cuDNN, which on CPU has no extension: a bias yes, a mask_mod no)
+    monkeypatch.setitem(registry.BACKENDS, "cudnn", types.SimpleNamespace(
+        name="cudnn", platforms=("cuda",),
+        supports=lambda config: "no mask_mod" if config.score_mod is not None else None))
+    dispatch.clear_cache()
+    as_is = plan()
+    assert as_is.chosen == "cudnn" and "mask_program" not in as_is.rewritten, str(as_is)

@@ -310,7 +310,8 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
         # (trials are planned quietly: only the plan that runs is logged, below)
         plan = dispatch.plan(config, backend, quiet=True)
         if (plan.groups or dispatch.runs_block_maps(plan.preferred)
-                or (plan.preferred and plan.rewritten)):
+                or (plan.preferred and plan.rewritten)) and _program_beats_mask(
+                    plan, q, k, v, dense, common, backend):
             note = "; ".join(filter(None, (note, f"{_PROGRAM_NOTE}: "
                                            f"{found.program.expression()}", plan.rewritten)))
             # (block_sparse marks the rows that see no key by its lse; every row of a
@@ -335,6 +336,21 @@ def _planned(q, k, v, *, bias=None, mask=None, is_causal=False, window=None, q_l
     if note:
         plan = dataclasses.replace(plan, rewritten=note)
     return plan, inputs, mask4, rows_see_keys
+
+
+# The block map walked in XLA: slower than any vendor kernel running the mask as it is.
+_WALKS = "block_sparse_xla"
+
+
+def _program_beats_mask(plan, q, k, v, dense, common, backend) -> bool:
+    """Whether a mask program's `plan` is to run rather than the mask as it is: always,
+    except where the program would be walked in XLA while a kernel runs the mask (a
+    bias on cuDNN, every tile, is faster than the walks: docs/decisions.md)."""
+    if plan.groups or plan.preferred != _WALKS:
+        return True
+    as_is = dispatch.plan(build_call(q, k, v, dense_mask=dense, **common)[0], backend,
+                          quiet=True)
+    return as_is.preferred in (_WALKS, "xla")
 
 
 def _rows_seeing_nothing(mask4, is_causal, window, q_lengths, kv_lengths, b, t, s):

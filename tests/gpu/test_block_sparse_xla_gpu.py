@@ -1,6 +1,6 @@
 """block_sparse_xla on a CUDA GPU: masks that neither the Mosaic GPU kernels nor a vendor
-kernel run (a documents mask_mod from ids at d 256, or in float32; a float32 causal
-mask) run as the block map's list walks in XLA, against the float64 oracle (output and
+kernel run (a documents mask_mod from ids at d 256, or in float32; a float32 window)
+run as the block map's list walks in XLA, against the float64 oracle (output and
 gradients); a mask cuDNN runs every tile (a window of positions at d 256) stays with
 cuDNN."""
 from __future__ import annotations
@@ -49,14 +49,19 @@ def test_documents_from_ids(d, dtype, tol):
         assert rel_error(np.asarray(got, np.float32), ref) < t, name
 
 
-def test_a_float32_causal_mask():
-    q, k, v, do = _inputs(128, jnp.float32)
-    plan = fusedattn.explain(q, k, v, mask="causal")
+def test_a_float32_window_in_two_runs():
+    """A float32 window whose scores XLA would tile runs on its static map, each (batch,
+    head)'s tiles in two runs by list length (b4 h16 s2048: 512 lanes a run)."""
+    b, s, h = 4, 2048, 16
+    keys = jax.random.split(jax.random.key(5), 4)
+    q, k, v, do = (jax.random.normal(kk, (b, s, h, 64), jnp.float32) for kk in keys)
+    plan = fusedattn.explain(q, k, v, mask="causal", window=(300, 0))
     assert plan.chosen == "block_sparse_xla", str(plan)
-    out, vjp = jax.vjp(jax.jit(lambda q, k, v: fusedattn.fused_attn(q, k, v, mask="causal")),
-                       q, k, v)
-    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
-    want = jax_nn_oracle(q, k, v, do, (j <= i)[None, None])
+    call = jax.jit(lambda q, k, v: fusedattn.fused_attn(q, k, v, mask="causal",
+                                                        window=(300, 0)))
+    out, vjp = jax.vjp(call, q, k, v)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    want = jax_nn_oracle(q, k, v, do, ((j <= i) & (i - j <= 300))[None, None])
     for name, got, ref, t in zip(("out", "dq", "dk", "dv"), (out, *vjp(do)), want,
                                  (2e-3, 4e-3, 4e-3, 4e-3)):
         assert rel_error(np.asarray(got, np.float32), ref) < t, name

@@ -47,6 +47,7 @@ from ..config import AttnConfig
 from ..inputs import AttnInputs, pack_like_inputs, unpack_qkv
 from ..score_mods import Masked, Reindexed
 from . import native_op
+from .xla.tiles import SINGLE_TILE
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
@@ -81,9 +82,11 @@ def config_reason(config: AttnConfig, kernels: bool = True) -> Optional[str]:
     """What the kernels (with `kernels` False: the list walks in XLA,
     `block_sparse_xla`) cannot run, from the config alone (None: they can)."""
     mask_mod, _ = parts(config)
-    # (the walks take the built-in masks and packed segments too: they reach them only
-    # where cudnn and flash cannot run them, and skip what XLA would compute)
-    built_in = not kernels and (config.causal or config.window is not None or config.is_packed)
+    # (the walks take a built-in window too, where cudnn and flash cannot run it (float32)
+    # and XLA would tile the scores: measured faster there, docs/decisions.md; causal
+    # masks and packed segments measured alike or not at all, so they stay with xla)
+    built_in = (not kernels and config.window is not None
+                and config.batch * config.h_q * config.s_q * config.s_kv > SINGLE_TILE)
     rules = (
         # (a score_mod with no in-kernel form: `args_reason` below says why)
         # (under packing every score_mod runs here: cuDNN refuses them with segments)
@@ -93,8 +96,8 @@ def config_reason(config: AttnConfig, kernels: bool = True) -> Optional[str]:
          "runs a mask_mod's or a dense boolean mask's block map, or a score_mod reading "
          "arrays by position; this call has none (cudnn and flash skip the built-in "
          "masks' blocks)" if kernels else
-         "runs a block map: this call has no mask, window, packed segments or score_mod "
-         "reading arrays by position (every pair is visible: xla runs it)"),
+         "runs a block map of a mask_mod, a dense boolean mask, a score_mod reading arrays "
+         "by position, or a window whose scores XLA would tile; this call has none"),
         (config.is_fp8, "no FP8 kernels"),
         (kernels and config.dtype not in DTYPES,
          f"dtype {config.dtype}: kernels are {'/'.join(DTYPES)}"),
