@@ -41,8 +41,9 @@ def _use_route(monkeypatch, route):
     monkeypatch.setenv(dispatch.ENV_PLATFORM, "cuda")
     monkeypatch.setattr(backend, "on_hopper", lambda: route == "block_sparse")
     monkeypatch.setattr(backend, "IMPLEMENTATION", "reference")
-    order = tuple(n for n in dispatch.PREFERENCE["cuda"] if route != "xla" or n != "block_sparse_xla")
-    monkeypatch.setitem(dispatch.PREFERENCE, "cuda", order)
+    order = dispatch.PREFERENCE["cuda"]
+    monkeypatch.setitem(dispatch.PREFERENCE, "cuda", tuple(
+        n for n in order if route != "xla" or n != "block_sparse_xla"))
     dispatch.clear_cache()
 
 

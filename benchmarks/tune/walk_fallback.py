@@ -83,12 +83,13 @@ def main():
                 fusedattn.explain(q, k, v, mask="causal") if name == "causal" else \
                 fusedattn.explain(q, k, v, mask_mod=documents if name == "documents"
                                   else every_pair, score_mod_args=(ids,))
-            got, want = jax.jit(walk)(q, k, v), jax.jit(functools.partial(auto, backend="xla"))(q, k, v)
+            xla = functools.partial(auto, backend="xla")
+            got, want = jax.jit(walk)(q, k, v), jax.jit(xla)(q, k, v)
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
             for mode in ("fwd", "fwd+bwd"):
                 calls, notes = {}, {}
                 runs = [(f"walk:G{g}", functools.partial(walk), g) for g in WALK_GROUPS]
-                runs.append(("xla", functools.partial(auto, backend="xla"), None))
+                runs.append(("xla", functools.partial(xla), None))
                 if plan.chosen not in ("block_sparse_xla", "xla"):
                     runs.append(("auto:" + plan.chosen, auto, None))
                 for label, fn, groups in runs:
