@@ -19,6 +19,7 @@ import pytest
 import fusedattn
 from fusedattn import dispatch
 from fusedattn.backends import block_sparse as backend
+from fusedattn.backends.xla import tiles
 from support.block_sparse_cases import doc_ids, jax_nn_oracle, rel_error
 
 B, S, H, H_KV = 2, 384, 4, 2
@@ -137,7 +138,7 @@ def test_a_float32_window_xla_would_tile(gpu, monkeypatch, options):
     q, k, v, do = _inputs(64, jnp.float32, seed=2)
     small = fusedattn.explain(q, k, v, **options)
     assert small.chosen == "xla" and "XLA would tile" in dict(small.reasons)["block_sparse_xla"]
-    monkeypatch.setattr(backend, "SINGLE_TILE", 1)
+    monkeypatch.setattr(tiles, "SINGLE_TILE", 1)
     dispatch.clear_cache()
     plan = fusedattn.explain(q, k, v, **options)
     assert plan.chosen == "block_sparse_xla", str(plan)

@@ -47,7 +47,7 @@ from ..config import AttnConfig
 from ..inputs import AttnInputs, pack_like_inputs, unpack_qkv
 from ..score_mods import Masked, Reindexed
 from . import native_op
-from .xla.tiles import SINGLE_TILE
+from .xla.tiles import one_tile
 
 DTYPES = ("bfloat16", "float16")
 HEAD_DIMS = (64, 128)
@@ -85,8 +85,7 @@ def config_reason(config: AttnConfig, kernels: bool = True) -> Optional[str]:
     # (the walks take a built-in window too, where cudnn and flash cannot run it (float32)
     # and XLA would tile the scores: measured faster there, docs/decisions.md; causal
     # masks and packed segments measured alike or not at all, so they stay with xla)
-    built_in = (not kernels and config.window is not None
-                and config.batch * config.h_q * config.s_q * config.s_kv > SINGLE_TILE)
+    built_in = not kernels and config.window is not None and not one_tile(config)
     rules = (
         # (a score_mod with no in-kernel form: `args_reason` below says why)
         # (under packing every score_mod runs here: cuDNN refuses them with segments)

@@ -67,11 +67,16 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def one_tile(config: AttnConfig) -> bool:
+    """Whether the call's scores fit SINGLE_TILE (one tile, no loop)."""
+    return config.batch * config.h_q * config.s_q * config.s_kv <= SINGLE_TILE
+
+
 def choose_tiling(config: AttnConfig) -> Tiling:
     """One tile when the scores fit SINGLE_TILE, else the largest tiles within TILE."""
     rows = config.batch * config.h_q
     s_q, s_kv = config.s_q, config.s_kv
-    if rows * s_q * s_kv <= SINGLE_TILE:
+    if one_tile(config):
         return Tiling(s_q, s_kv, s_q, s_kv)
     bq, bk = min(s_q, MAX_BLOCK), min(s_kv, MAX_BLOCK)
     while rows * bq * bk > TILE and max(bq, bk) > MIN_BLOCK:
