@@ -31,7 +31,6 @@ from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index 
                            value_scratch)
 
 HALF = BLOCK // 2
-A_IN_REGISTERS = False   # experiment: dq's S and dP take Q and dO from registers
 
 
 def _unpack(refs, n_qa, n_ka, has_dense, n_sq, n_skv, n_sd):
@@ -134,7 +133,6 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 plgpu.barrier_wait(in_ready.at[wg * 4 + x])
             lse = row_vector(ld_smem.at[wg, 0], interpret)
             delta = row_vector(ld_smem.at[wg, 1], interpret)
-            q_a, do_a = (qw[...], dow[...]) if A_IN_REGISTERS and hw else (qw, dow)
             q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
             q_words = [row_vector(sq_smem.at[wg, r], interpret) for r in range(n_sq)]
             diag = n_sd and Diagonal.load(sd_ref, sd_smem, sd_ready, b, h, wg, score.runs,
@@ -151,7 +149,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 if n_skv:
                     plgpu.barrier_wait(skv_ready.at[slot])
                 plgpu.barrier_wait(v_ready.at[slot])
-                s, dp = matmul_t2(q_a, k_smem.at[slot], do_a, v_smem.at[slot], shape, interpret)
+                s, dp = matmul_t2(qw, k_smem.at[slot], dow, v_smem.at[slot], shape, interpret)
                 words = None if dense is None else lambda: dense_tile(
                     d_smem, d_ready, slot, wg, 1, shape, interpret)
                 diag_at = diag and (diag, diag.span(q0, k0, shape, 0))

@@ -30,7 +30,6 @@ from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Items, Lists, bh
                            persistent_programs, rendezvous, row_vector, rows_of, smem_tiled,
                            tile_fns, tokens, value_scratch)
 
-Q_IN_REGISTERS = False   # experiment: S takes Q from registers
 
 def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
             score_values=(None, None, None), fill=None, seq_first=False, interpret=None):
@@ -113,7 +112,6 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     plgpu.barrier_wait(s_ready.at[wg])
                 plgpu.barrier_wait(q_ready.at[buf * NWG + wg])
                 shape = (ROWS, BLOCK)
-                q_a = qw[...] if Q_IN_REGISTERS and hw else qw
                 q_vals = [row_vector(qa_smem.at[wg, r], interpret) for r in range(n_qa)]
                 q_words = [row_vector(sq_smem.at[wg, r], interpret) for r in range(n_sq)]
                 if hw:
@@ -126,7 +124,7 @@ def forward(q, k, v, lists, kmask: KernelMask, *, scale: float, score=None,
                     plgpu.barrier_wait(k_ready.at[slot])
                     if n_skv:
                         plgpu.barrier_wait(skv_ready.at[slot])
-                    s = matmul_t(q_a, k_smem.at[slot], shape, interpret, sched_sync if hw else None)
+                    s = matmul_t(qw, k_smem.at[slot], shape, interpret, sched_sync if hw else None)
                     if not per_block:
                         plgpu.barrier_arrive(k_free.at[slot])
                     words = None if dense is None else lambda: dense_tile(
