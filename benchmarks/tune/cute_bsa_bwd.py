@@ -3,12 +3,13 @@
 GPU kernels of seven (`fusedattn.block_sparse.kernel_bwd`)?
 
 Compiles the kernel with nvcc into shared objects, one per build switch (the whole
-kernel; dq staged and bulk reduce-added; no dq reduction; no dq at all), registers
+kernel; without dq, the dk / dv part alone), registers
 each as an XLA FFI target, and times them round-robin with the Mosaic pair in one
 process on the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, the
 map from `from_segment_ids`), after checking every gradient the build computes
-against the Mosaic kernels'. Needs a Hopper GPU, nvcc, pybind11 and the CUTLASS
-headers (the `nvidia-cutlass` wheel, or CUTLASS_INCLUDE).
+against the Mosaic kernels'; dq's conversion from the f32 buffer, which every build
+pays outside its kernel, is timed alone beside them. Needs a Hopper GPU, nvcc,
+pybind11 and the CUTLASS headers (the `nvidia-cutlass` wheel, or CUTLASS_INCLUDE).
 `python -m benchmarks.tune.cute_bsa_bwd`
 """
 from __future__ import annotations
@@ -33,8 +34,7 @@ from fusedattn.block_sparse import kernel_bwd
 B, S, H, D = 4, 4096, 16, 128
 DOCS = (512, 1024, 512, 2048)
 SOURCES = os.path.join(os.path.dirname(__file__), "cute_bwd")
-BUILDS = {"whole kernel": [], "dq bulk reduce-add": ["-DFUSEDATTN_BSB_BULK_DQ"],
-          "no dq reduction": ["-DFUSEDATTN_BSB_NO_RED"], "no dq": ["-DFUSEDATTN_BSB_NO_DQ"]}
+BUILDS = {"whole kernel": [], "no dq": ["-DFUSEDATTN_BSB_NO_DQ"]}
 
 
 def _cutlass_include() -> str:
@@ -48,9 +48,11 @@ def compile_builds(work: str) -> dict:
     """label -> path of a shared object exporting FusedattnBlockSparseBwd."""
     pybind = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], check=True,
                             capture_output=True, text=True).stdout.split()
-    common = ["nvcc", "-std=c++17", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr",
-              "-Xptxas", "-v", "-shared", "-Xcompiler", "-fPIC", "-isystem", jax.ffi.include_dir(),
-              "-isystem", _cutlass_include(), *pybind, os.path.join(SOURCES, "ffi.cu")]
+    # (sm_90a code only: setmaxnreg and wgmma have no compute_90 form)
+    common = ["nvcc", "-std=c++17", "-O3", "-gencode", "arch=compute_90a,code=sm_90a",
+              "--expt-relaxed-constexpr", "-Xptxas", "-v", "-shared", "-Xcompiler", "-fPIC",
+              "-isystem", jax.ffi.include_dir(), "-isystem", _cutlass_include(), *pybind,
+              os.path.join(SOURCES, "ffi.cu")]
 
     def build(item):
         label, flags = item
@@ -103,7 +105,7 @@ def main():
                 return (dq * scale).astype(q.dtype), dk, dv
             fn = jax.jit(cute)
             got = fn(*args)
-            computes_dq = label in ("whole kernel", "dq bulk reduce-add")
+            computes_dq = label.startswith("whole kernel")
             checked = ("dq", "dk", "dv") if computes_dq else ("dk", "dv")
             for name, g, r in zip(("dq", "dk", "dv"), got, ref):
                 if name in checked:
@@ -112,6 +114,9 @@ def main():
                     print(f"{label}: {name} relative L2 to the Mosaic kernels {err:.1e}")
                     assert err < 1e-2, (label, name, err)
             calls[label] = (fn, args)
+        # What every CuTe build pays outside its kernel: dq's f32 buffer scaled to bf16.
+        calls["dq's conversion alone"] = (jax.jit(lambda x: (x * scale).astype(jnp.bfloat16)),
+                                          (jnp.zeros((B, S, H, D), jnp.float32),))
         for fn, a in calls.values():
             jax.block_until_ready(fn(*a))
         for name, t in time_interleaved(calls).items():

@@ -1,17 +1,19 @@
 // The block-sparse attention backward for Hopper in one kernel of five products a
 // tile (CuTe, sm90 WGMMA): per 128-key block, its query blocks from the map's
-// key-major lists, 64 queries a step. Each of two warpgroups owns 64 keys:
-//   S^T = K Q^T, dP^T = V dO^T               (shared memory operands)
-//   P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta)
-//   dV += P^T dO, dK += dS^T Q                (P^T, dS^T from registers)
-//   dQ  = dS K                                 (dS through shared memory, both halves)
-// and dQ is added in f32 to a zeroed buffer with vector reductions (the Mosaic GPU
-// kernels take seven products, dq in a kernel of its own: docs/decisions.md).
-// Measurement switches: FUSEDATTN_BSB_BULK_DQ (dQ staged in shared memory, a bulk
-// reduce-add per row), FUSEDATTN_BSB_NO_RED (no dQ reduction), FUSEDATTN_BSB_NO_DQ
-// (neither dS's store nor dQ: the dK / dV kernel alone).
-// Partial blocks apply the documents mask (equal ids, both valid; optionally causal)
-// and hide keys past the real length; full blocks apply nothing.
+// key-major lists, 64 queries a step. Three warpgroups:
+//   - two compute warpgroups, each owning 64 keys:
+//       S^T = K Q^T, dP^T = V dO^T               (shared memory operands)
+//       P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta)
+//       dV += P^T dO, dK += dS^T Q                (P^T, dS^T from registers)
+//       dQ  = dS K, half of the head dim each      (both halves of dS through shared memory)
+//     and each stages its f32 half of dQ in shared memory;
+//   - a producer warpgroup: two warps load each step's Q, dO, lse, delta and ids with
+//     cp.async into a ring of stages (mbarriers say full / empty), and two warps
+//     reduce-add the staged dQ rows into the f32 dq buffer with bulk copies,
+//     so neither loads nor dQ's reduction stall the compute warpgroups.
+// Measurement switch: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
+// part alone). Partial blocks apply the documents mask (equal ids, both valid;
+// optionally causal) and hide keys past the real length; full blocks apply nothing.
 #pragma once
 
 #include <cstdint>
@@ -46,11 +48,15 @@ struct BwdParams {
   bool causal;                   // partial blocks also need key <= query
 };
 
-constexpr int kKeys = 128;       // keys a CTA owns (64 per warpgroup)
+constexpr int kKeys = 128;       // keys a CTA owns (64 per compute warpgroup)
 constexpr int kRows = 64;        // queries a step
 constexpr int kDim = 128;
-constexpr int kThreads = 256;
-constexpr int kDqStride = 72;    // floats a staged dQ row takes (64 and 8 of padding)
+constexpr int kStages = 2;       // Q / dO stages in flight
+constexpr int kCompute = 256;    // threads of the two compute warpgroups
+constexpr int kThreads = 384;    // and the producer warpgroup
+constexpr int kLoaders = 64;     // producer threads loading (its warps 2 and 3)
+constexpr int kReducers = 64;    // producer threads reducing dQ, one row each (warps 0, 1)
+constexpr int kDqRow = 132;      // floats a staged dQ row takes (128 and 4 of padding)
 
 using namespace cute;
 
@@ -74,39 +80,81 @@ struct BwdTypes {
   struct alignas(1024) Smem {
     T k[2][kRows * kDim];
     T v[2][kRows * kDim];
-    T q[2][kRows * kDim];
-    T dout[2][kRows * kDim];
-    T ds[2][kRows * kRows];
-    float lse[2][kRows];
-    float delta[2][kRows];
-    int32_t qid[2][kRows];
-    int32_t qok[2][kRows];
-#ifdef FUSEDATTN_BSB_BULK_DQ
-    float dq[2][kRows * kDqStride];   // each warpgroup's dQ, reduce-added by rows
-#endif
+    T q[kStages][kRows * kDim];
+    T dout[kStages][kRows * kDim];
+    T ds[2][2][kRows * kRows];        // [step parity][warpgroup]
+    float dq[kRows * kDqRow];         // a step's dQ, both halves, for the reducers
+    float lse[kStages][kRows];
+    float delta[kStages][kRows];
+    int32_t qid[kStages][kRows];
+    int32_t qok[kStages][kRows];
+    uint64_t full[kStages];           // a stage loaded (kLoaders async arrivals)
+    uint64_t empty[kStages];          // a stage read by both compute warpgroups
+    uint64_t kv_full;                 // K and V loaded
+    uint64_t dq_full;                 // a step's dQ staged
+    uint64_t dq_empty;                // ... and read by the bulk reductions
   };
 };
 
+// ---- mbarriers and copies, in PTX ----
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}\n"
+               ::"r"(smem_u32(bar)) : "memory");
+}
+// Waits for the completion of the barrier's phase of this parity.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n"
+      "WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+// This thread's earlier cp.asyncs arrive on the barrier when they complete.
+__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+}
+__device__ __forceinline__ float exp2_approx(float x) {   // (-inf -> 0)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+template <int N>
+__device__ __forceinline__ void set_max_registers_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void set_max_registers_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-__device__ __forceinline__ void red_add_v2(float* gmem, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(gmem), "f"(a), "f"(b) : "memory");
+// Element offset of (row, col) in a 64 x 128 tile of 16-bit values laid out as
+// TileLayout on a 1024-byte aligned base: 8 x 64 atoms of 128-byte rows, down the
+// rows first, each row's 16-byte pieces XORed with the row's index mod 8.
+__device__ __forceinline__ int swizzled(int r, int c) {
+  return (r >> 3) * 512 + (c >> 6) * 4096 + (r & 7) * 64 + ((((c & 63) >> 3) ^ (r & 7)) << 3);
 }
 
-// Rows [row0, row0 + 64) of a [.., S, H, D] tensor at (b, h) into a swizzled tile;
-// every thread takes 16-byte pieces.
-template <typename T, typename Layout>
-__device__ __forceinline__ void load_tile(T* smem, const T* g, int64_t row_stride, int tid) {
-  Tensor s = make_tensor(make_smem_ptr(smem), Layout{});
-  CUTE_UNROLL
-  for (int i = 0; i < kRows * kDim / 8 / kThreads; ++i) {
-    int piece = tid + i * kThreads;
-    int r = piece / (kDim / 8), c = (piece % (kDim / 8)) * 8;
-    cp_async16(&s(r, c), g + r * row_stride + c);
-  }
+// 64 rows of a [.., S, H, D] tensor (`g`: the first row at this head) into a swizzled
+// tile by the kLoaders loader threads (`lt`): a thread takes one 16-byte column piece
+// of every fourth row, in a loop kept rolled so the loaders fit few registers.
+template <typename T>
+__device__ __forceinline__ void load_tile(T* smem, const T* g, int64_t row_stride, int lt) {
+  static_assert(kLoaders == 64 && kDim == 128);
+  const int c = (lt % 16) * 8;
+  int r = lt / 16;
+  const T* src = g + r * row_stride + c;
+#pragma unroll 1
+  for (int i = 0; i < kRows / 4; ++i, r += 4, src += 4 * row_stride)
+    cp_async16(smem + swizzled(r, c), src);
 }
 
 template <class Mma, class TA, class TB, class TC>
@@ -129,10 +177,6 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
   const int tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
   const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int h_kv = h / (p.H / p.H_kv);
-  const T* q = static_cast<const T*>(p.q);
-  const T* k = static_cast<const T*>(p.k);
-  const T* v = static_cast<const T*>(p.v);
-  const T* dout = static_cast<const T*>(p.dout);
   const int64_t q_row = int64_t(p.H) * kDim, kv_row = int64_t(p.H_kv) * kDim;
 
   // This key block's query blocks: the partial ones, then the full ones.
@@ -141,39 +185,79 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
   const int32_t* partial_idx = p.q_idx + list * p.n_q;
   const int32_t* full_idx = p.full_idx + list * p.n_q;
   const int steps = 2 * (n_partial + n_full);
-  const float* ld = p.lse_delta + (int64_t(b) * p.H + h) * 2 * p.S;
   const int64_t words = int64_t(p.words_b ? b : 0) * 2;
   const bool ids = p.q_words != nullptr;
-
+  const int k0 = kb * kKeys;
   auto q_start = [&](int step) {
     int e = step >> 1;
     int blk = e < n_partial ? partial_idx[e] : full_idx[e - n_partial];
     return blk * kKeys + (step & 1) * kRows;
   };
-  auto load_step = [&](int step, int stage) {
-    int q0 = q_start(step);
-    load_tile<T, typename Ty::TileLayout>(s.q[stage], q + (int64_t(b) * p.S + q0) * q_row + h * kDim, q_row, tid);
-    load_tile<T, typename Ty::TileLayout>(s.dout[stage], dout + (int64_t(b) * p.S + q0) * q_row + h * kDim, q_row, tid);
-    if (tid < 64) {   // lse, delta, ids, valid: 16 pieces of 16 bytes each
-      int which = tid / 16, piece = (tid % 16) * 4;
-      if (which == 0) cp_async16(&s.lse[stage][piece], ld + q0 + piece);
-      if (which == 1) cp_async16(&s.delta[stage][piece], ld + p.S + q0 + piece);
-      if (ids && which == 2) cp_async16(&s.qid[stage][piece], p.q_words + words * p.S + q0 + piece);
-      if (ids && which == 3) cp_async16(&s.qok[stage][piece], p.q_words + (words + 1) * p.S + q0 + piece);
+
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(&s.full[st], kLoaders);
+      mbar_init(&s.empty[st], kCompute);
     }
-    asm volatile("cp.async.commit_group;\n" ::);
-  };
-
-  // K and V of both warpgroups, with the first step.
-  const int k0 = kb * kKeys;
-  for (int w = 0; w < 2; ++w) {
-    const int64_t at = (int64_t(b) * p.S_kv + k0 + w * kRows) * kv_row + h_kv * kDim;
-    load_tile<T, typename Ty::TileLayout>(s.k[w], k + at, kv_row, tid);
-    load_tile<T, typename Ty::TileLayout>(s.v[w], v + at, kv_row, tid);
+    mbar_init(&s.kv_full, kLoaders);
+    mbar_init(&s.dq_full, kCompute);
+    mbar_init(&s.dq_empty, kReducers);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if (steps > 0) load_step(0, 0);
-  else asm volatile("cp.async.commit_group;\n" ::);
+  __syncthreads();
 
+  if (wg == 2) {   // ---- the producer warpgroup ----
+    set_max_registers_dec<24>();
+    if (wt >= kReducers) {   // loaders
+      const int lt = wt - kReducers;
+      const T* q = static_cast<const T*>(p.q);
+      const T* dout = static_cast<const T*>(p.dout);
+      if (steps > 0) {
+        const T* k = static_cast<const T*>(p.k);
+        const T* v = static_cast<const T*>(p.v);
+        for (int w = 0; w < 2; ++w) {
+          const int64_t at = (int64_t(b) * p.S_kv + k0 + w * kRows) * kv_row + h_kv * kDim;
+          load_tile<T>(s.k[w], k + at, kv_row, lt);
+          load_tile<T>(s.v[w], v + at, kv_row, lt);
+        }
+        cp_async_arrive(&s.kv_full);
+      }
+      const float* ld = p.lse_delta + (int64_t(b) * p.H + h) * 2 * p.S;
+      for (int step = 0; step < steps; ++step) {
+        const int st = step % kStages;
+        if (step >= kStages) mbar_wait(&s.empty[st], ((step / kStages) - 1) & 1);
+        const int q0 = q_start(step);
+        const int64_t at = (int64_t(b) * p.S + q0) * q_row + h * kDim;
+        load_tile<T>(s.q[st], q + at, q_row, lt);
+        load_tile<T>(s.dout[st], dout + at, q_row, lt);
+        // lse, delta, ids, valid: 16 pieces of 16 bytes each
+        const int which = lt / 16, piece = (lt % 16) * 4;
+        if (which == 0) cp_async16(&s.lse[st][piece], ld + q0 + piece);
+        if (which == 1) cp_async16(&s.delta[st][piece], ld + p.S + q0 + piece);
+        if (ids && which == 2) cp_async16(&s.qid[st][piece], p.q_words + words * p.S + q0 + piece);
+        if (ids && which == 3) cp_async16(&s.qok[st][piece], p.q_words + (words + 1) * p.S + q0 + piece);
+        cp_async_arrive(&s.full[st]);
+      }
+    } else {   // reducers: row wt of each step's dQ
+#ifndef FUSEDATTN_BSB_NO_DQ
+      const uint32_t src = smem_u32(s.dq + wt * kDqRow);
+      for (int step = 0; step < steps; ++step) {
+        mbar_wait(&s.dq_full, step & 1);
+        float* dst = p.dq_acc + (int64_t(b) * p.S + q_start(step) + wt) * q_row + h * kDim;
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                     ::"l"(dst), "r"(src), "n"(kDim * 4) : "memory");
+        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        mbar_arrive(&s.dq_empty);
+      }
+      asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+    }
+    return;
+  }
+
+  // ---- the compute warpgroups ----
+  set_max_registers_inc<240>();
   typename Ty::MmaSdP mma_sdp;
   typename Ty::MmaKV mma_kv;
   typename Ty::MmaQ mma_q;
@@ -212,18 +296,21 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     }
   }
   const float scale_log2 = p.scale * 1.44269504088896340736f;
+  // (a proxy fence after each wait for tiles: cp.async wrote them, the tensor cores read them)
+  if (steps > 0) {
+    mbar_wait(&s.kv_full, 0);
+    cutlass::arch::fence_view_async_shared();
+  }
 
   for (int step = 0; step < steps; ++step) {
-    const int stage = step & 1;
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    const int st = step % kStages, par = step & 1;
+    mbar_wait(&s.full[st], (step / kStages) & 1);
     cutlass::arch::fence_view_async_shared();
-    __syncthreads();   // this stage loaded; the last step's products all done
-    if (step + 1 < steps) load_step(step + 1, stage ^ 1);
-    const int q0 = q_start(step);
     const bool partial = (step >> 1) < n_partial;
+    const int q0 = partial && p.causal ? q_start(step) : 0;
 
-    Tensor sQ = make_tensor(make_smem_ptr(s.q[stage]), typename Ty::TileLayout{});
-    Tensor sdO = make_tensor(make_smem_ptr(s.dout[stage]), typename Ty::TileLayout{});
+    Tensor sQ = make_tensor(make_smem_ptr(s.q[st]), typename Ty::TileLayout{});
+    Tensor sdO = make_tensor(make_smem_ptr(s.dout[st]), typename Ty::TileLayout{});
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<_64, _64>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<_64, _64>{});
     {
@@ -235,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
       mma_blocks(mma_sdp, tSrK, tSrQ, acc_s, true);
       mma_blocks(mma_sdp, tSrV, tSrdO, acc_dp, true);
       warpgroup_commit_batch();
-      warpgroup_wait<0>();
+      warpgroup_wait<0>();   // (the last step's dV / dK and dQ with it)
       warpgroup_fence_operand(acc_s);
       warpgroup_fence_operand(acc_dp);
     }
@@ -245,32 +332,33 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     Tensor r_p = make_tensor<T>(partition_shape_A(mma_kv, Shape<_64, _64>{}));
     Tensor r_ds = make_tensor<T>(partition_shape_A(mma_kv, Shape<_64, _64>{}));
     static_assert(decltype(size(r_p))::value == decltype(size(acc_s))::value);
-    T* ds_tile = s.ds[wg];
+    T* ds_tile = s.ds[par][wg];
     CUTE_UNROLL
     for (int i = 0; i < size(acc_s); ++i) {
       const int kr = get<0>(coord_s(i)), qc = get<1>(coord_s(i));
       float x = acc_s(i) * scale_log2;
       if (partial) {
         const int j = (kr >> 3) & 1;   // rows r and r + 8
-        const int key = key_r[j], query = q0 + qc;
         bool see = key_ok[j];
-        if (ids) see = see && s.qok[stage][qc] != 0 && s.qid[stage][qc] == key_id[j];
-        if (p.causal) see = see && key <= query;
+        if (ids) see = see && s.qok[st][qc] != 0 && s.qid[st][qc] == key_id[j];
+        if (p.causal) see = see && key_r[j] <= q0 + qc;
         if (!see) x = -INFINITY;
       }
-      const float pr = exp2f(x - s.lse[stage][qc]);
-      const float ds = pr * (acc_dp(i) - s.delta[stage][qc]);
+      const float pr = exp2_approx(x - s.lse[st][qc]);
+      const float ds = pr * (acc_dp(i) - s.delta[st][qc]);
       r_p(i) = T(pr);
       r_ds(i) = T(ds);
+#ifndef FUSEDATTN_BSB_NO_DQ
       // dS[query][key] in the swizzled tile (16-byte pieces of a 128-byte row XORed
       // with the row's index mod 8); written by hand: CuTe's view of the transpose
       // kept 32 addresses live and spilled registers.
       ds_tile[qc * kRows + (kr ^ ((qc & 7) << 3))] = T(ds);
+#endif
     }
 
     {
-      Tensor sQt = make_tensor(make_smem_ptr(s.q[stage]), typename Ty::TileLayoutT{});
-      Tensor sdOt = make_tensor(make_smem_ptr(s.dout[stage]), typename Ty::TileLayoutT{});
+      Tensor sQt = make_tensor(make_smem_ptr(s.q[st]), typename Ty::TileLayoutT{});
+      Tensor sdOt = make_tensor(make_smem_ptr(s.dout[st]), typename Ty::TileLayoutT{});
       Tensor tKVrdO = thr_kv.partition_fragment_B(sdOt);
       Tensor tKVrQ = thr_kv.partition_fragment_B(sQt);
       warpgroup_fence_operand(acc_dv);
@@ -289,9 +377,11 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(r_p);
     warpgroup_fence_operand(r_ds);
-    continue;
-#endif
-    // Both halves of dS in shared memory, seen by the tensor cores.
+    mbar_arrive(&s.empty[st]);
+#else
+    // Both halves of dS in shared memory, seen by the tensor cores (the other
+    // warpgroup's dQ of two steps back, which read this parity's tiles, has completed
+    // before it reached the last step's barrier).
     cutlass::arch::fence_view_async_shared();
     asm volatile("bar.sync 1, 256;\n" ::: "memory");
 
@@ -300,7 +390,7 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     warpgroup_arrive();
     CUTE_UNROLL
     for (int u = 0; u < 2; ++u) {
-      Tensor sdS = make_tensor(make_smem_ptr(s.ds[u]), typename Ty::DsLayout{});
+      Tensor sdS = make_tensor(make_smem_ptr(s.ds[par][u]), typename Ty::DsLayout{});
       Tensor sKt = local_tile(make_tensor(make_smem_ptr(s.k[u]), typename Ty::TileLayoutT{}),
                               Shape<_64, _64>{}, make_coord(wg, 0));
       Tensor tQrdS = thr_q.partition_fragment_A(sdS);
@@ -314,36 +404,20 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     warpgroup_fence_operand(r_p);
     warpgroup_fence_operand(r_ds);
     warpgroup_fence_operand(acc_dq);
+    mbar_arrive(&s.empty[st]);   // this step's Q, dO, lse, delta and ids are read
 
-    float* dq_rows = p.dq_acc + (int64_t(b) * p.S + q0) * q_row + h * kDim + wg * 64;
-#if defined(FUSEDATTN_BSB_BULK_DQ)
-    // Staged in shared memory, then a bulk reduce-add per row.
-    float* staged = s.dq[wg];
+    // This warpgroup's half of dQ into the staging rows, once the reducers have read
+    // the last step's.
+    if (step > 0) mbar_wait(&s.dq_empty, (step - 1) & 1);
     CUTE_UNROLL
     for (int i = 0; i < size(acc_dq); i += 2) {
       const int r = get<0>(coord_q(i)), c = get<1>(coord_q(i));
-      *reinterpret_cast<float2*>(staged + r * kDqStride + c) = make_float2(acc_dq(i), acc_dq(i + 1));
+      *reinterpret_cast<float2*>(s.dq + r * kDqRow + wg * 64 + c) = make_float2(acc_dq(i), acc_dq(i + 1));
     }
     cutlass::arch::fence_view_async_shared();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-    if (wt < kRows) {
-      uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(staged + wt * kDqStride));
-      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], 256;\n"
-                   ::"l"(dq_rows + wt * q_row), "r"(src) : "memory");
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-    }
-#elif !defined(FUSEDATTN_BSB_NO_RED)
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); i += 2) {
-      const int r = get<0>(coord_q(i)), c = get<1>(coord_q(i));
-      red_add_v2(dq_rows + r * q_row + c, acc_dq(i), acc_dq(i + 1));
-    }
+    mbar_arrive(&s.dq_full);
 #endif
   }
-#if defined(FUSEDATTN_BSB_BULK_DQ)
-  if (wt < kRows) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-#endif
 
   // dK (scaled) and dV of this warpgroup's 64 keys, per query head.
   Tensor coord_kv = thr_kv.partition_C(make_identity_tensor(Shape<_64, _128>{}));
