@@ -278,22 +278,18 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
   // This thread's (key, query) coordinates in a score tile, and (query, d) in dQ's.
   Tensor coord_s = thr_sdp.partition_C(make_identity_tensor(Shape<_64, _64>{}));
   Tensor coord_q = thr_q.partition_C(make_identity_tensor(Shape<_64, _64>{}));
-  // Each thread holds two key rows of its warpgroup's 64.
-  int key_r[2];
-  int32_t key_id[2] = {0, 0};
-  bool key_ok[2];
-  {
-    int r0 = get<0>(coord_s(0));
-    key_r[0] = k0 + wg * kRows + r0;
-    key_r[1] = key_r[0] + 8;
-    for (int j = 0; j < 2; ++j) {
-      key_ok[j] = key_r[j] < p.s_kv_real;
-      if (ids) {
-        const int32_t* kw = p.kv_words + words * p.S_kv;
-        key_id[j] = kw[key_r[j]];
-        key_ok[j] = key_ok[j] && kw[p.S_kv + key_r[j]] != 0;
-      }
-    }
+  // Each thread holds two key rows of its warpgroup's 64: r0 and r0 + 8, for the
+  // accumulator's values i with (i >> 1) & 1 equal to 0 and 1 (scalars, not arrays
+  // indexed at run time, which went to local memory).
+  const int key_r0 = k0 + wg * kRows + get<0>(coord_s(0)), key_r1 = key_r0 + 8;
+  bool key_ok0 = key_r0 < p.s_kv_real, key_ok1 = key_r1 < p.s_kv_real;
+  int32_t key_id0 = 0, key_id1 = 0;
+  if (ids) {
+    const int32_t* kw = p.kv_words + words * p.S_kv;
+    key_id0 = kw[key_r0];
+    key_id1 = kw[key_r1];
+    key_ok0 = key_ok0 && kw[p.S_kv + key_r0] != 0;
+    key_ok1 = key_ok1 && kw[p.S_kv + key_r1] != 0;
   }
   const float scale_log2 = p.scale * 1.44269504088896340736f;
   // (a proxy fence after each wait for tiles: cp.async wrote them, the tensor cores read them)
@@ -333,28 +329,34 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     Tensor r_ds = make_tensor<T>(partition_shape_A(mma_kv, Shape<_64, _64>{}));
     static_assert(decltype(size(r_p))::value == decltype(size(acc_s))::value);
     T* ds_tile = s.ds[par][wg];
-    CUTE_UNROLL
-    for (int i = 0; i < size(acc_s); ++i) {
-      const int kr = get<0>(coord_s(i)), qc = get<1>(coord_s(i));
-      float x = acc_s(i) * scale_log2;
-      if (partial) {
-        const int j = (kr >> 3) & 1;   // rows r and r + 8
-        bool see = key_ok[j];
-        if (ids) see = see && s.qok[st][qc] != 0 && s.qid[st][qc] == key_id[j];
-        if (p.causal) see = see && key_r[j] <= q0 + qc;
-        if (!see) x = -INFINITY;
-      }
-      const float pr = exp2_approx(x - s.lse[st][qc]);
-      const float ds = pr * (acc_dp(i) - s.delta[st][qc]);
-      r_p(i) = T(pr);
-      r_ds(i) = T(ds);
+    // One loop for partial blocks (the element mask) and one for full ones (none), so
+    // neither branches per value.
+    auto scores = [&](auto masked) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        const int kr = get<0>(coord_s(i)), qc = get<1>(coord_s(i));
+        float x = acc_s(i) * scale_log2;
+        if constexpr (decltype(masked)::value) {
+          const bool upper = (i >> 1) & 1;   // row r0 + 8
+          bool see = upper ? key_ok1 : key_ok0;
+          if (ids) see = see && s.qok[st][qc] != 0 && s.qid[st][qc] == (upper ? key_id1 : key_id0);
+          if (p.causal) see = see && (upper ? key_r1 : key_r0) <= q0 + qc;
+          if (!see) x = -INFINITY;
+        }
+        const float pr = exp2_approx(x - s.lse[st][qc]);
+        const float ds = pr * (acc_dp(i) - s.delta[st][qc]);
+        r_p(i) = T(pr);
+        r_ds(i) = T(ds);
 #ifndef FUSEDATTN_BSB_NO_DQ
-      // dS[query][key] in the swizzled tile (16-byte pieces of a 128-byte row XORed
-      // with the row's index mod 8); written by hand: CuTe's view of the transpose
-      // kept 32 addresses live and spilled registers.
-      ds_tile[qc * kRows + (kr ^ ((qc & 7) << 3))] = T(ds);
+        // dS[query][key] in the swizzled tile (16-byte pieces of a 128-byte row XORed
+        // with the row's index mod 8); written by hand: CuTe's view of the transpose
+        // kept 32 addresses live and spilled registers.
+        ds_tile[qc * kRows + (kr ^ ((qc & 7) << 3))] = T(ds);
 #endif
-    }
+      }
+    };
+    if (partial) scores(cute::true_type{});
+    else scores(cute::false_type{});
 
     {
       Tensor sQt = make_tensor(make_smem_ptr(s.q[st]), typename Ty::TileLayoutT{});
