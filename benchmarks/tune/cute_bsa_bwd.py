@@ -3,7 +3,8 @@
 GPU kernels of seven (`fusedattn.block_sparse.kernel_bwd`)?
 
 Compiles the kernel with nvcc into shared objects, one per build switch (the whole
-kernel; without dq, the dk / dv part alone), registers
+kernel, or without dq: the dk / dv part alone; each with S^T and dP^T waited for
+together or apart), registers
 each as an XLA FFI target, and times them round-robin with the Mosaic pair in one
 process on the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, the
 map from `from_segment_ids`), after checking every gradient the build computes
@@ -34,7 +35,9 @@ from fusedattn.block_sparse import kernel_bwd
 B, S, H, D = 4, 4096, 16, 128
 DOCS = (512, 1024, 512, 2048)
 SOURCES = os.path.join(os.path.dirname(__file__), "cute_bwd")
-BUILDS = {"whole kernel": [], "no dq": ["-DFUSEDATTN_BSB_NO_DQ"]}
+BUILDS = {"whole kernel": [], "whole kernel, split wait": ["-DFUSEDATTN_BSB_SPLIT_WAIT"],
+          "no dq": ["-DFUSEDATTN_BSB_NO_DQ"],
+          "no dq, split wait": ["-DFUSEDATTN_BSB_NO_DQ", "-DFUSEDATTN_BSB_SPLIT_WAIT"]}
 
 
 def _cutlass_include() -> str:

@@ -11,8 +11,9 @@
 //     cp.async into a ring of stages (mbarriers say full / empty), and two warps
 //     reduce-add the staged dQ rows into the f32 dq buffer with bulk copies,
 //     so neither loads nor dQ's reduction stall the compute warpgroups.
-// Measurement switch: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
-// part alone). Partial blocks apply the documents mask (equal ids, both valid;
+// Measurement switches: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
+// part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its dV
+// product run while dP^T is computed). Partial blocks apply the documents mask (equal ids, both valid;
 // optionally causal) and hide keys past the real length; full blocks apply nothing.
 #pragma once
 
@@ -291,6 +292,18 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     key_ok0 = key_ok0 && kw[p.S_kv + key_r0] != 0;
     key_ok1 = key_ok1 && kw[p.S_kv + key_r1] != 0;
   }
+  // dS[query][key] of value i in the swizzled tile (16-byte pieces of a 128-byte row
+  // XORed with the row's index mod 8), written by hand (CuTe's view of the transpose
+  // kept 32 addresses live and spilled): value i is at query c0 + (i & 1) + 8 (i >> 2)
+  // and key r0 + 8 ((i >> 1) & 1), so four offsets and a constant stride give all 32
+  // (32 offsets computed once were spilled and reloaded every step).
+  int ds_at[2][2];
+  {
+    const int r0 = get<0>(coord_s(0)), c0 = get<1>(coord_s(0));
+    for (int a = 0; a < 2; ++a)
+      for (int j = 0; j < 2; ++j)
+        ds_at[a][j] = (c0 + a) * kRows + ((r0 + 8 * j) ^ (((c0 + a) & 7) << 3));
+  }
   const float scale_log2 = p.scale * 1.44269504088896340736f;
   // (a proxy fence after each wait for tiles: cp.async wrote them, the tensor cores read them)
   if (steps > 0) {
@@ -309,32 +322,19 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     Tensor sdO = make_tensor(make_smem_ptr(s.dout[st]), typename Ty::TileLayout{});
     Tensor acc_s = partition_fragment_C(mma_sdp, Shape<_64, _64>{});
     Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<_64, _64>{});
-    {
-      Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
-      Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-      warpgroup_fence_operand(acc_s);
-      warpgroup_fence_operand(acc_dp);
-      warpgroup_arrive();
-      mma_blocks(mma_sdp, tSrK, tSrQ, acc_s, true);
-      mma_blocks(mma_sdp, tSrV, tSrdO, acc_dp, true);
-      warpgroup_commit_batch();
-      warpgroup_wait<0>();   // (the last step's dV / dK and dQ with it)
-      warpgroup_fence_operand(acc_s);
-      warpgroup_fence_operand(acc_dp);
-    }
-
     // P^T and dS^T, in the A-operand registers of dV and dK (the accumulator's value
     // order is the operand's: pairs of columns, rows r and r + 8, columns c and c + 8).
     Tensor r_p = make_tensor<T>(partition_shape_A(mma_kv, Shape<_64, _64>{}));
     Tensor r_ds = make_tensor<T>(partition_shape_A(mma_kv, Shape<_64, _64>{}));
     static_assert(decltype(size(r_p))::value == decltype(size(acc_s))::value);
     T* ds_tile = s.ds[par][wg];
-    // One loop for partial blocks (the element mask) and one for full ones (none), so
-    // neither branches per value.
-    auto scores = [&](auto masked) {
+
+    // P^T into r_p (and, f32, over S^T in acc_s). Partial blocks (the element mask) and
+    // full ones (none) run separate loops, so neither branches per value.
+    auto probabilities = [&](auto masked) {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
-        const int kr = get<0>(coord_s(i)), qc = get<1>(coord_s(i));
+        const int qc = get<1>(coord_s(i));
         float x = acc_s(i) * scale_log2;
         if constexpr (decltype(masked)::value) {
           const bool upper = (i >> 1) & 1;   // row r0 + 8
@@ -343,35 +343,78 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
           if (p.causal) see = see && (upper ? key_r1 : key_r0) <= q0 + qc;
           if (!see) x = -INFINITY;
         }
-        const float pr = exp2_approx(x - s.lse[st][qc]);
-        const float ds = pr * (acc_dp(i) - s.delta[st][qc]);
-        r_p(i) = T(pr);
+        acc_s(i) = exp2_approx(x - s.lse[st][qc]);
+        r_p(i) = T(acc_s(i));
+      }
+    };
+    // dS^T into r_ds, and dS into this warpgroup's shared tile for dQ.
+    auto score_grads = [&]() {
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        const int qc = get<1>(coord_s(i));
+        const float ds = acc_s(i) * (acc_dp(i) - s.delta[st][qc]);
         r_ds(i) = T(ds);
 #ifndef FUSEDATTN_BSB_NO_DQ
-        // dS[query][key] in the swizzled tile (16-byte pieces of a 128-byte row XORed
-        // with the row's index mod 8); written by hand: CuTe's view of the transpose
-        // kept 32 addresses live and spilled registers.
-        ds_tile[qc * kRows + (kr ^ ((qc & 7) << 3))] = T(ds);
+        ds_tile[ds_at[i & 1][(i >> 1) & 1] + 512 * (i >> 2)] = T(ds);
 #endif
       }
     };
-    if (partial) scores(cute::true_type{});
-    else scores(cute::false_type{});
-
-    {
-      Tensor sQt = make_tensor(make_smem_ptr(s.q[st]), typename Ty::TileLayoutT{});
-      Tensor sdOt = make_tensor(make_smem_ptr(s.dout[st]), typename Ty::TileLayoutT{});
-      Tensor tKVrdO = thr_kv.partition_fragment_B(sdOt);
-      Tensor tKVrQ = thr_kv.partition_fragment_B(sQt);
+    // (the B operands' descriptors are made where they are used: kept across the loops
+    // above they took registers and spilled)
+    auto issue_dv = [&]() {
+      Tensor tKVrdO = thr_kv.partition_fragment_B(
+          make_tensor(make_smem_ptr(s.dout[st]), typename Ty::TileLayoutT{}));
       warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
       warpgroup_fence_operand(r_p);
-      warpgroup_fence_operand(r_ds);
       warpgroup_arrive();
       mma_blocks(mma_kv, r_p, tKVrdO, acc_dv, false);
+      warpgroup_commit_batch();
+    };
+    auto issue_dk = [&]() {
+      Tensor tKVrQ = thr_kv.partition_fragment_B(
+          make_tensor(make_smem_ptr(s.q[st]), typename Ty::TileLayoutT{}));
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(r_ds);
+      warpgroup_arrive();
       mma_blocks(mma_kv, r_ds, tKVrQ, acc_dk, false);
       warpgroup_commit_batch();
+    };
+
+    {
+      Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);
+      Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(acc_dp);
+      warpgroup_arrive();
+      mma_blocks(mma_sdp, tSrK, tSrQ, acc_s, true);
+#ifdef FUSEDATTN_BSB_SPLIT_WAIT
+      // S^T and dP^T as two groups: P^T and its dV product go ahead while dP^T runs.
+      warpgroup_commit_batch();
+      mma_blocks(mma_sdp, tSrV, tSrdO, acc_dp, true);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();   // S^T (and the last step's products before it)
+      warpgroup_fence_operand(acc_s);
+#else
+      mma_blocks(mma_sdp, tSrV, tSrdO, acc_dp, true);
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();   // (the last step's dV / dK and dQ with it)
+      warpgroup_fence_operand(acc_s);
+      warpgroup_fence_operand(acc_dp);
+#endif
     }
+    if (partial) probabilities(cute::true_type{});
+    else probabilities(cute::false_type{});
+#ifdef FUSEDATTN_BSB_SPLIT_WAIT
+    issue_dv();
+    warpgroup_wait<1>();     // dP^T (dV may still run)
+    warpgroup_fence_operand(acc_dp);
+    score_grads();
+    issue_dk();
+#else
+    score_grads();
+    issue_dv();
+    issue_dk();
+#endif
 
 #ifdef FUSEDATTN_BSB_NO_DQ
     warpgroup_wait<0>();
