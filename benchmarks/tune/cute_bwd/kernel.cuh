@@ -339,6 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
         if constexpr (decltype(masked)::value) {
           const bool upper = (i >> 1) & 1;   // row r0 + 8
           bool see = upper ? key_ok1 : key_ok0;
+          // (&&: these loads only where needed; & without branches spilled registers)
           if (ids) see = see && s.qok[st][qc] != 0 && s.qid[st][qc] == (upper ? key_id1 : key_id0);
           if (p.causal) see = see && (upper ? key_r1 : key_r0) <= q0 + qc;
           if (!see) x = -INFINITY;
@@ -392,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
       warpgroup_commit_batch();
       mma_blocks(mma_sdp, tSrV, tSrdO, acc_dp, true);
       warpgroup_commit_batch();
-      warpgroup_wait<1>();   // S^T (and the last step's products before it)
+      warpgroup_wait<1>();   // S^T
       warpgroup_fence_operand(acc_s);
 #else
       mma_blocks(mma_sdp, tSrV, tSrdO, acc_dp, true);
@@ -443,13 +444,14 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
       mma_blocks(mma_q, tQrdS, tQrKt, acc_dq, u == 0);
     }
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_dv);
+    warpgroup_wait<1>();         // dV and dK: this step's Q, dO, lse, delta and ids are
+    warpgroup_fence_operand(acc_dv);   // read (dQ reads only dS and K)
     warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(r_p);
     warpgroup_fence_operand(r_ds);
+    mbar_arrive(&s.empty[st]);
+    warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dq);
-    mbar_arrive(&s.empty[st]);   // this step's Q, dO, lse, delta and ids are read
 
     // This warpgroup's half of dQ into the staging rows, once the reducers have read
     // the last step's.
