@@ -8,7 +8,8 @@ together or apart), registers
 each as an XLA FFI target, and times them round-robin with the Mosaic pair in one
 process on the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, the
 map from `from_segment_ids`), after checking every gradient the build computes
-against the Mosaic kernels'; dq's conversion from the f32 buffer, which every build
+against the Mosaic kernels', there and on causal documents cut mid-block with padding
+(every part of the element mask); dq's conversion from the f32 buffer, which every build
 pays outside its kernel, is timed alone beside them. Needs a Hopper GPU, nvcc,
 pybind11 and the CUTLASS headers (the `nvidia-cutlass` wheel, or CUTLASS_INCLUDE).
 `python -m benchmarks.tune.cute_bsa_bwd`
@@ -70,60 +71,92 @@ def compile_builds(work: str) -> dict:
         return dict(pool.map(build, BUILDS.items()))
 
 
-def _words(ids):
+def _words(ids, pad_id):
     """(id, valid) per token, int32 [B, 2, S]: the documents mask as the kernel reads it."""
     ids = jnp.asarray(ids, jnp.int32)
-    return jnp.stack([ids, jnp.ones_like(ids)], axis=1)
+    valid = jnp.ones_like(ids) if pad_id is None else (ids != pad_id).astype(jnp.int32)
+    return jnp.stack([ids, valid], axis=1)
+
+
+def _ids(lengths, first_id=0):
+    """[B, S] ids: documents of these lengths from `first_id` on, then padding id 0."""
+    row = np.concatenate([np.full(n, first_id + i, np.int32) for i, n in enumerate(lengths)])
+    return np.broadcast_to(np.pad(row, (0, S - row.size)), (B, S)).copy()
+
+
+# (label, ids, pad_id, causal, keys at or past which are padding, timed): the benchmark's
+# documents (whole blocks only), and causal documents of lengths that cut blocks, with
+# padding, which runs every part of the element mask (checked, not timed).
+CASES = [("documents", _ids(DOCS), None, False, S, True),
+         ("causal documents cut mid-block, padded", _ids((300, 1000, 700, 2000), 1), 0, True,
+          4000, False)]
+
+
+def _check(label, got, ref, ids, pad_id, computes_dq):
+    """Each gradient against the Mosaic kernels': relative L2 and the largest difference
+    against the largest value (a wrong masked element moves the second); padded queries'
+    dq exactly 0."""
+    for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+        if name == "dq" and not computes_dq:
+            continue
+        g = np.asarray(g, np.float32)
+        err = np.linalg.norm(g - r) / np.linalg.norm(r)
+        worst = np.abs(g - r).max() / np.abs(r).max()
+        print(f"{label}: {name} relative L2 to the Mosaic kernels {err:.1e}, "
+              f"largest difference {worst:.1e} of the largest value")
+        assert err < 1e-2 and worst < 2e-2, (label, name, err, worst)
+        if name == "dq" and pad_id is not None:
+            assert not np.any(g[ids == pad_id]), (label, "padded queries' dq")
 
 
 def main():
-    ids = np.broadcast_to(np.concatenate([np.full(n, i, np.int32) for i, n in enumerate(DOCS)]),
-                          (B, S)).copy()
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(x, (B, S, H, D), jnp.bfloat16) for x in keys)
-    bm = bs.from_segment_ids(jnp.asarray(ids), pad_id=None)
-    args, by_q, by_kv, km = backward_inputs(bm, q, k, v, do)
     scale = D ** -0.5
-    words = _words(ids)
-
-    def mosaic(q, k, v, do, lse_delta):
-        dq, _, _ = kernel_bwd.dq(q, k, v, do, lse_delta, by_q, km, scale=scale)
-        dk, dv, _ = kernel_bwd.dkv(q, k, v, do, lse_delta, by_kv, km, scale=scale)
-        return dq, dk, dv
-    calls = {"mosaic (dq + dk/dv kernels)": (jax.jit(mosaic), args)}
-    ref = [np.asarray(x, np.float32) for x in calls["mosaic (dq + dk/dv kernels)"][0](*args)]
+    calls = {}
     with tempfile.TemporaryDirectory() as work:
-        for i, (label, path) in enumerate(compile_builds(work).items()):
-            target = f"fusedattn_cute_bsa_bwd_{i}"
+        builds = compile_builds(work)
+        for i, (label, path) in enumerate(builds.items()):
             lib = ctypes.cdll.LoadLibrary(path)
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.FusedattnBlockSparseBwd),
+            jax.ffi.register_ffi_target(f"fusedattn_cute_bsa_bwd_{i}",
+                                        jax.ffi.pycapsule(lib.FusedattnBlockSparseBwd),
                                         platform="CUDA")
+        for case, ids, pad_id, causal, s_kv_real, timed in CASES:
+            bm = bs.from_segment_ids(jnp.asarray(ids), pad_id=pad_id,
+                                     mask="causal" if causal else "none")
+            args, by_q, by_kv, km = backward_inputs(bm, q, k, v, do)
+            words = _words(ids, pad_id)
 
-            def cute(q, k, v, do, lse_delta, target=target):
-                per_head = jax.ShapeDtypeStruct((B, S, H, D), q.dtype)
-                dq, dk, dv = jax.ffi.ffi_call(
-                    target, (jax.ShapeDtypeStruct((B, S, H, D), jnp.float32), per_head, per_head))(
-                    q, k, v, do, lse_delta, *by_kv, words, words, scale=np.float32(scale),
-                    causal=False, s_kv_real=np.int32(S))
-                return (dq * scale).astype(q.dtype), dk, dv
-            fn = jax.jit(cute)
-            got = fn(*args)
-            computes_dq = label.startswith("whole kernel")
-            checked = ("dq", "dk", "dv") if computes_dq else ("dk", "dv")
-            for name, g, r in zip(("dq", "dk", "dv"), got, ref):
-                if name in checked:
-                    g = np.asarray(g, np.float32)
-                    err = np.linalg.norm(g - r) / np.linalg.norm(r)
-                    print(f"{label}: {name} relative L2 to the Mosaic kernels {err:.1e}")
-                    assert err < 1e-2, (label, name, err)
-            calls[label] = (fn, args)
+            def mosaic(q, k, v, do, lse_delta, by_q=by_q, by_kv=by_kv, km=km):
+                dq, _, _ = kernel_bwd.dq(q, k, v, do, lse_delta, by_q, km, scale=scale)
+                dk, dv, _ = kernel_bwd.dkv(q, k, v, do, lse_delta, by_kv, km, scale=scale)
+                return dq, dk, dv
+            mosaic = jax.jit(mosaic)
+            ref = [np.asarray(x, np.float32) for x in mosaic(*args)]
+            if timed:
+                calls["mosaic (dq + dk/dv kernels)"] = (mosaic, args)
+            for i, label in enumerate(builds):
+                def cute(q, k, v, do, lse_delta, target=f"fusedattn_cute_bsa_bwd_{i}",
+                         by_kv=by_kv, words=words, causal=causal, s_kv_real=s_kv_real):
+                    per_head = jax.ShapeDtypeStruct((B, S, H, D), q.dtype)
+                    dq, dk, dv = jax.ffi.ffi_call(
+                        target, (jax.ShapeDtypeStruct((B, S, H, D), jnp.float32), per_head,
+                                 per_head))(
+                        q, k, v, do, lse_delta, *by_kv, words, words, scale=np.float32(scale),
+                        causal=causal, s_kv_real=np.int32(s_kv_real))
+                    return (dq * scale).astype(q.dtype), dk, dv
+                fn = jax.jit(cute)
+                _check(f"{case} / {label}", fn(*args), ref, ids, pad_id,
+                       label.startswith("whole kernel"))
+                if timed:
+                    calls[label] = (fn, args)
         # What every CuTe build pays outside its kernel: dq's f32 buffer scaled to bf16.
         calls["dq's conversion alone"] = (jax.jit(lambda x: (x * scale).astype(jnp.bfloat16)),
                                           (jnp.zeros((B, S, H, D), jnp.float32),))
         for fn, a in calls.values():
             jax.block_until_ready(fn(*a))
         for name, t in time_interleaved(calls).items():
-            print(f"backward {name}: {t * 1e3:.3f} ms")
+            print(f"backward {name} (documents): {t * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":
