@@ -4,9 +4,8 @@ GPU kernels of seven (`fusedattn.block_sparse.kernel_bwd`)?
 
 Compiles the kernel with nvcc into shared objects, one per build switch (the whole
 kernel, or without dq: the dk / dv part alone; each with S^T and dP^T waited for
-together or apart), registers
-each as an XLA FFI target, and times them round-robin with the Mosaic pair in one
-process on the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, the
+together or apart), registers each as an XLA FFI target, and times them round-robin
+with the Mosaic pair in one process on the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, the
 map from `from_segment_ids`), after checking every gradient the build computes
 against the Mosaic kernels', there and on causal documents cut mid-block with padding
 (every part of the element mask); dq's conversion from the f32 buffer, which every build
