@@ -12,9 +12,10 @@
 //     reduce-add the staged dQ rows into the f32 dq buffer with bulk copies,
 //     so neither loads nor dQ's reduction stall the compute warpgroups.
 // Measurement switches: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
-// part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its dV
-// product run while dP^T is computed). Partial blocks apply the documents mask (equal ids, both valid;
-// optionally causal) and hide keys past the real length; full blocks apply nothing.
+// part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its
+// dV product run while dP^T is computed). Partial blocks apply the documents mask
+// (equal ids, both valid; optionally causal) and hide keys past the real length; full
+// blocks apply nothing.
 #pragma once
 
 #include <cstdint>
@@ -293,10 +294,10 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     key_ok1 = key_ok1 && kw[p.S_kv + key_r1] != 0;
   }
   // dS[query][key] of value i in the swizzled tile (16-byte pieces of a 128-byte row
-  // XORed with the row's index mod 8), written by hand (CuTe's view of the transpose
-  // kept 32 addresses live and spilled): value i is at query c0 + (i & 1) + 8 (i >> 2)
-  // and key r0 + 8 ((i >> 1) & 1), so four offsets and a constant stride give all 32
-  // (32 offsets computed once were spilled and reloaded every step).
+  // XORed with the row's index mod 8), written by hand: CuTe's view of the transpose
+  // kept 32 addresses live and spilled, and so did 32 offsets computed once. Value i
+  // is at query c0 + (i & 1) + 8 (i >> 2) and key r0 + 8 ((i >> 1) & 1), so four
+  // offsets and a constant stride give all 32.
   int ds_at[2][2];
   {
     const int r0 = get<0>(coord_s(0)), c0 = get<1>(coord_s(0));
