@@ -361,24 +361,16 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
 #endif
       }
     };
-    // (the B operands' descriptors are made where they are used: kept across the loops
-    // above they took registers and spilled)
-    auto issue_dv = [&]() {
-      Tensor tKVrdO = thr_kv.partition_fragment_B(
-          make_tensor(make_smem_ptr(s.dout[st]), typename Ty::TileLayoutT{}));
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(r_p);
+    // acc += a @ b_tile (dV: P^T with dO, dK: dS^T with Q) as one wgmma group. (The B
+    // operand's descriptors are made here: kept across the loops above they took
+    // registers and spilled.)
+    auto accumulate = [&](auto& acc, auto& a, T* b_tile) {
+      Tensor b = thr_kv.partition_fragment_B(
+          make_tensor(make_smem_ptr(b_tile), typename Ty::TileLayoutT{}));
+      warpgroup_fence_operand(acc);
+      warpgroup_fence_operand(a);
       warpgroup_arrive();
-      mma_blocks(mma_kv, r_p, tKVrdO, acc_dv, false);
-      warpgroup_commit_batch();
-    };
-    auto issue_dk = [&]() {
-      Tensor tKVrQ = thr_kv.partition_fragment_B(
-          make_tensor(make_smem_ptr(s.q[st]), typename Ty::TileLayoutT{}));
-      warpgroup_fence_operand(acc_dk);
-      warpgroup_fence_operand(r_ds);
-      warpgroup_arrive();
-      mma_blocks(mma_kv, r_ds, tKVrQ, acc_dk, false);
+      mma_blocks(mma_kv, a, b, acc, false);
       warpgroup_commit_batch();
     };
 
@@ -399,7 +391,7 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
 #else
       mma_blocks(mma_sdp, tSrV, tSrdO, acc_dp, true);
       warpgroup_commit_batch();
-      warpgroup_wait<0>();   // (the last step's dV / dK and dQ with it)
+      warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
       warpgroup_fence_operand(acc_dp);
 #endif
@@ -407,16 +399,15 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
     if (partial) probabilities(cute::true_type{});
     else probabilities(cute::false_type{});
 #ifdef FUSEDATTN_BSB_SPLIT_WAIT
-    issue_dv();
+    accumulate(acc_dv, r_p, s.dout[st]);
     warpgroup_wait<1>();     // dP^T (dV may still run)
     warpgroup_fence_operand(acc_dp);
     score_grads();
-    issue_dk();
 #else
     score_grads();
-    issue_dv();
-    issue_dk();
+    accumulate(acc_dv, r_p, s.dout[st]);
 #endif
+    accumulate(acc_dk, r_ds, s.q[st]);
 
 #ifdef FUSEDATTN_BSB_NO_DQ
     warpgroup_wait<0>();
