@@ -12,9 +12,14 @@ against the Mosaic kernels', there and on causal documents cut mid-block with pa
 pays outside its kernel, is timed alone beside them. Needs a Hopper GPU, nvcc,
 pybind11 and the CUTLASS headers (the `nvidia-cutlass` wheel, or CUTLASS_INCLUDE).
 `python -m benchmarks.tune.cute_bsa_bwd`
+
+`--profile LABEL[,LABEL]` compiles only those builds and, after the checks, runs each
+once beside the Mosaic pair between cuProfilerStart and Stop, for
+`ncu --profile-from-start off` (no timing).
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import importlib.util
 import os
@@ -47,7 +52,7 @@ def _cutlass_include() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
 
 
-def compile_builds(work: str) -> dict:
+def compile_builds(work: str, builds: dict) -> dict:
     """label -> path of a shared object exporting FusedattnBlockSparseBwd."""
     pybind = subprocess.run([sys.executable, "-m", "pybind11", "--includes"], check=True,
                             capture_output=True, text=True).stdout.split()
@@ -59,15 +64,22 @@ def compile_builds(work: str) -> dict:
 
     def build(item):
         label, flags = item
-        path = os.path.join(work, f"build{list(BUILDS).index(label)}.so")
+        path = os.path.join(work, f"build{list(builds).index(label)}.so")
         done = subprocess.run(common + flags + ["-o", path], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"nvcc ({label}):\n{done.stderr[-3000:]}")
         spills = sorted({ln.strip() for ln in done.stderr.splitlines() if "spill" in ln})
         print(f"{label}: {'; '.join(spills)}")
         return label, path
-    with ThreadPoolExecutor(len(BUILDS)) as pool:
-        return dict(pool.map(build, BUILDS.items()))
+    with ThreadPoolExecutor(len(builds)) as pool:
+        return dict(pool.map(build, builds.items()))
+
+
+def _profiler(on: bool):
+    """cuProfilerStart / Stop (the driver's, which every CUDA process has loaded): the
+    range ncu --profile-from-start off records."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    (lib.cuProfilerStart if on else lib.cuProfilerStop)()
 
 
 def _words(ids, pad_id):
@@ -109,12 +121,19 @@ def _check(label, got, ref, ids, pad_id, computes_dq):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", default="", help="comma-separated builds to profile")
+    profile = [x for x in ap.parse_args().profile.split(",") if x]
+    unknown = set(profile) - set(BUILDS)
+    if unknown:
+        raise SystemExit(f"--profile: unknown builds {sorted(unknown)}; known: {list(BUILDS)}")
+    chosen = {k: v for k, v in BUILDS.items() if not profile or k in profile}
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(x, (B, S, H, D), jnp.bfloat16) for x in keys)
     scale = D ** -0.5
     calls = {}
     with tempfile.TemporaryDirectory() as work:
-        builds = compile_builds(work)
+        builds = compile_builds(work, chosen)
         for i, (label, path) in enumerate(builds.items()):
             lib = ctypes.cdll.LoadLibrary(path)
             jax.ffi.register_ffi_target(f"fusedattn_cute_bsa_bwd_{i}",
@@ -154,6 +173,12 @@ def main():
                                           (jnp.zeros((B, S, H, D), jnp.float32),))
         for fn, a in calls.values():
             jax.block_until_ready(fn(*a))
+        if profile:
+            _profiler(True)
+            for fn, a in calls.values():
+                jax.block_until_ready(fn(*a))
+            _profiler(False)
+            return
         for name, t in time_interleaved(calls).items():
             print(f"backward {name} (documents): {t * 1e3:.3f} ms")
 

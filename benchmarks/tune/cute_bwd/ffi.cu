@@ -1,10 +1,12 @@
 // The XLA FFI handler of the CuTe block-sparse backward (kernel.cuh): checks the
-// buffers, zeroes the f32 dq buffer and launches on XLA's stream. Compiled on its
-// own into a shared object by benchmarks/tune/cute_bsa_bwd.py (a route measurement,
-// not part of the package), with -D switches that leave parts out.
+// buffers, makes the TMA descriptors, zeroes the f32 dq buffer and launches on XLA's
+// stream. Compiled on its own into a shared object by benchmarks/tune/cute_bsa_bwd.py
+// (a route measurement, not part of the package), with -D switches that leave parts out.
 #include <cuda_runtime.h>
 
 #include <string>
+#include <tuple>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -15,6 +17,30 @@ namespace ffi = xla::ffi;
 namespace fusedattn::block_sparse {
 namespace {
 
+// A TMA descriptor of a [B, S, H, 128] tensor as (d, head, token): boxes of 64 d x 64
+// tokens, 128-byte swizzle (kernel.cuh's TileLayout, half a tile a box).
+std::string tensor_map(CUtensorMap* map, const void* base, int tokens, int heads, bool bf16) {
+  using Encode = decltype(&cuTensorMapEncodeTiled);
+  static Encode encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<Encode>(fn);
+  }();
+  if (!encode) return "the driver has no cuTensorMapEncodeTiled";
+  const cuuint64_t dims[3] = {kDim, cuuint64_t(heads), cuuint64_t(tokens)};
+  const cuuint64_t strides[2] = {kDim * 2, cuuint64_t(heads) * kDim * 2};   // bytes
+  const cuuint32_t box[3] = {64, 1, kRows}, unit[3] = {1, 1, 1};
+  CUresult r = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      3, const_cast<void*>(base), dims, strides, box, unit,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? std::string() : "cuTensorMapEncodeTiled failed: " + std::to_string(r);
+}
+
 template <typename T>
 std::string launch(cudaStream_t stream, const BwdParams& p) {
   constexpr int smem = bwd_smem_bytes<T>() + 1024;   // (room to align the base)
@@ -22,8 +48,16 @@ std::string launch(cudaStream_t stream, const BwdParams& p) {
   static const cudaError_t attr = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return std::string("smem attribute: ") + cudaGetErrorString(attr);
+  BwdMaps maps;
+  constexpr bool bf16 = std::is_same_v<T, cutlass::bfloat16_t>;
+  for (auto [map, base, tokens, heads] :
+       {std::tuple{&maps.q, p.q, p.B * p.S, p.H}, std::tuple{&maps.dout, p.dout, p.B * p.S, p.H},
+        std::tuple{&maps.k, p.k, p.B * p.S_kv, p.H_kv}, std::tuple{&maps.v, p.v, p.B * p.S_kv, p.H_kv}}) {
+    std::string e = tensor_map(map, base, tokens, heads, bf16);
+    if (!e.empty()) return e;
+  }
   dim3 grid(p.n_kv, p.H, p.B);
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+  kernel<<<grid, kThreads, smem, stream>>>(p, maps);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? std::string() : std::string("launch: ") + cudaGetErrorString(e);
 }

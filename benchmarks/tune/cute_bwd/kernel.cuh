@@ -7,10 +7,10 @@
 //       dV += P^T dO, dK += dS^T Q                (P^T, dS^T from registers)
 //       dQ  = dS K, half of the head dim each      (both halves of dS through shared memory)
 //     and each stages its f32 half of dQ in shared memory;
-//   - a producer warpgroup: two warps load each step's Q, dO, lse, delta and ids with
-//     cp.async into a ring of stages (mbarriers say full / empty), and two warps
-//     reduce-add the staged dQ rows into the f32 dq buffer with bulk copies,
-//     so neither loads nor dQ's reduction stall the compute warpgroups.
+//   - a producer warpgroup: one thread loads K, V and each step's Q, dO, lse, delta and
+//     ids with TMA and bulk copies into a ring of stages (mbarriers say full / empty),
+//     and two warps reduce-add the staged dQ rows into the f32 dq buffer with bulk
+//     copies, so neither loads nor dQ's reduction stall the compute warpgroups.
 // Measurement switches: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
 // part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its
 // dV product run while dP^T is computed). Partial blocks apply the documents mask
@@ -20,6 +20,8 @@
 
 #include <cstdint>
 
+#include <cuda.h>
+
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/arch/mma_sm90.hpp>
@@ -27,6 +29,13 @@
 #include <cutlass/numeric_types.h>
 
 namespace fusedattn::block_sparse {
+
+// TMA descriptors of q, k, v and dout as (d, head, token) over tokens of all batches,
+// each load a box of 64 d x 64 tokens with 128-byte swizzle: one half of a TileLayout
+// tile (made on the host, ffi.cu).
+struct BwdMaps {
+  CUtensorMap q, k, v, dout;
+};
 
 struct BwdParams {
   const void* q;                 // [B, S, H, D]
@@ -56,8 +65,8 @@ constexpr int kDim = 128;
 constexpr int kStages = 2;       // Q / dO stages in flight
 constexpr int kCompute = 256;    // threads of the two compute warpgroups
 constexpr int kThreads = 384;    // and the producer warpgroup
-constexpr int kLoaders = 64;     // producer threads loading (its warps 2 and 3)
 constexpr int kReducers = 64;    // producer threads reducing dQ, one row each (warps 0, 1)
+constexpr int kLoader = 64;      // the producer thread issuing the loads (warp 2's first)
 constexpr int kDqRow = 132;      // floats a staged dQ row takes (128 and 4 of padding)
 
 using namespace cute;
@@ -90,9 +99,9 @@ struct BwdTypes {
     float delta[kStages][kRows];
     int32_t qid[kStages][kRows];
     int32_t qok[kStages][kRows];
-    uint64_t full[kStages];           // a stage loaded (kLoaders async arrivals)
+    uint64_t full[kStages];           // a stage loaded (its bytes counted in)
     uint64_t empty[kStages];          // a stage read by both compute warpgroups
-    uint64_t kv_full;                 // K and V loaded
+    uint64_t kv_full;                 // K and V loaded (bytes counted in)
     uint64_t dq_full;                 // a step's dQ staged
     uint64_t dq_empty;                // ... and read by the bulk reductions
   };
@@ -117,12 +126,15 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       " @!done bra WAIT_%=;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
 }
-// This thread's earlier cp.asyncs arrive on the barrier when they complete.
-__device__ __forceinline__ void cp_async_arrive(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+// One arrival that also expects `bytes` of async copies to complete the phase.
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+               ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(smem)), "l"(gmem));
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory.
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_u32(smem)), "l"(gmem), "r"(bytes), "r"(smem_u32(bar)) : "memory");
 }
 __device__ __forceinline__ float exp2_approx(float x) {   // (-inf -> 0)
   float y;
@@ -138,25 +150,16 @@ __device__ __forceinline__ void set_max_registers_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
-// Element offset of (row, col) in a 64 x 128 tile of 16-bit values laid out as
-// TileLayout on a 1024-byte aligned base: 8 x 64 atoms of 128-byte rows, down the
-// rows first, each row's 16-byte pieces XORed with the row's index mod 8.
-__device__ __forceinline__ int swizzled(int r, int c) {
-  return (r >> 3) * 512 + (c >> 6) * 4096 + (r & 7) * 64 + ((((c & 63) >> 3) ^ (r & 7)) << 3);
-}
-
-// 64 rows of a [.., S, H, D] tensor (`g`: the first row at this head) into a swizzled
-// tile by the kLoaders loader threads (`lt`): a thread takes one 16-byte column piece
-// of every fourth row, in a loop kept rolled so the loaders fit few registers.
+// 64 rows from `row` (of all batches' tokens) at head `h` into a TileLayout tile: two
+// TMA boxes of 64 d (128-byte rows), the second half of d 4096 elements on.
 template <typename T>
-__device__ __forceinline__ void load_tile(T* smem, const T* g, int64_t row_stride, int lt) {
-  static_assert(kLoaders == 64 && kDim == 128);
-  const int c = (lt % 16) * 8;
-  int r = lt / 16;
-  const T* src = g + r * row_stride + c;
-#pragma unroll 1
-  for (int i = 0; i < kRows / 4; ++i, r += 4, src += 4 * row_stride)
-    cp_async16(smem + swizzled(r, c), src);
+__device__ __forceinline__ void load_tile(T* smem, const CUtensorMap* map, int h, int row, uint64_t* bar) {
+  for (int half = 0; half < 2; ++half)
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(smem_u32(smem + half * 4096)), "l"(reinterpret_cast<uint64_t>(map)),
+          "r"(half * 64), "r"(h), "r"(row), "r"(smem_u32(bar)) : "memory");
 }
 
 template <class Mma, class TA, class TB, class TC>
@@ -170,7 +173,8 @@ __device__ __forceinline__ void mma_blocks(Mma& mma, TA const& a, TB const& b, T
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams p) {
+__global__ void __launch_bounds__(kThreads, 1)
+block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
   using Ty = BwdTypes<T>;
   using Smem = typename Ty::Smem;
   extern __shared__ __align__(1024) char smem_raw[];
@@ -179,7 +183,6 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
   const int tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
   const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int h_kv = h / (p.H / p.H_kv);
-  const int64_t q_row = int64_t(p.H) * kDim, kv_row = int64_t(p.H_kv) * kDim;
 
   // This key block's query blocks: the partial ones, then the full ones.
   const int64_t list = (int64_t(p.list_b ? b : 0) * (p.list_h ? p.H : 1) + (p.list_h ? h : 0)) * p.n_kv + kb;
@@ -198,10 +201,10 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
 
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
-      mbar_init(&s.full[st], kLoaders);
+      mbar_init(&s.full[st], 1);
       mbar_init(&s.empty[st], kCompute);
     }
-    mbar_init(&s.kv_full, kLoaders);
+    mbar_init(&s.kv_full, 1);
     mbar_init(&s.dq_full, kCompute);
     mbar_init(&s.dq_empty, kReducers);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -210,42 +213,42 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
 
   if (wg == 2) {   // ---- the producer warpgroup ----
     set_max_registers_dec<24>();
-    if (wt >= kReducers) {   // loaders
-      const int lt = wt - kReducers;
-      const T* q = static_cast<const T*>(p.q);
-      const T* dout = static_cast<const T*>(p.dout);
+    if (wt == kLoader) {
+      constexpr uint32_t tile = kRows * kDim * sizeof(T), side = kRows * 4;
       if (steps > 0) {
-        const T* k = static_cast<const T*>(p.k);
-        const T* v = static_cast<const T*>(p.v);
+        mbar_expect(&s.kv_full, 4 * tile);
         for (int w = 0; w < 2; ++w) {
-          const int64_t at = (int64_t(b) * p.S_kv + k0 + w * kRows) * kv_row + h_kv * kDim;
-          load_tile<T>(s.k[w], k + at, kv_row, lt);
-          load_tile<T>(s.v[w], v + at, kv_row, lt);
+          const int row = b * p.S_kv + k0 + w * kRows;
+          load_tile<T>(s.k[w], &maps.k, h_kv, row, &s.kv_full);
+          load_tile<T>(s.v[w], &maps.v, h_kv, row, &s.kv_full);
         }
-        cp_async_arrive(&s.kv_full);
       }
       const float* ld = p.lse_delta + (int64_t(b) * p.H + h) * 2 * p.S;
+      const int32_t* qw = ids ? p.q_words + words * p.S : nullptr;
+      // The list is read a step ahead, so its latency hides behind the wait for a stage.
+      int q0 = steps > 0 ? q_start(0) : 0;
       for (int step = 0; step < steps; ++step) {
         const int st = step % kStages;
+        const int next = step + 1 < steps ? q_start(step + 1) : 0;
         if (step >= kStages) mbar_wait(&s.empty[st], ((step / kStages) - 1) & 1);
-        const int q0 = q_start(step);
-        const int64_t at = (int64_t(b) * p.S + q0) * q_row + h * kDim;
-        load_tile<T>(s.q[st], q + at, q_row, lt);
-        load_tile<T>(s.dout[st], dout + at, q_row, lt);
-        // lse, delta, ids, valid: 16 pieces of 16 bytes each
-        const int which = lt / 16, piece = (lt % 16) * 4;
-        if (which == 0) cp_async16(&s.lse[st][piece], ld + q0 + piece);
-        if (which == 1) cp_async16(&s.delta[st][piece], ld + p.S + q0 + piece);
-        if (ids && which == 2) cp_async16(&s.qid[st][piece], p.q_words + words * p.S + q0 + piece);
-        if (ids && which == 3) cp_async16(&s.qok[st][piece], p.q_words + (words + 1) * p.S + q0 + piece);
-        cp_async_arrive(&s.full[st]);
+        mbar_expect(&s.full[st], 2 * tile + (ids ? 4 : 2) * side);
+        load_tile<T>(s.q[st], &maps.q, h, b * p.S + q0, &s.full[st]);
+        load_tile<T>(s.dout[st], &maps.dout, h, b * p.S + q0, &s.full[st]);
+        bulk_load(s.lse[st], ld + q0, side, &s.full[st]);
+        bulk_load(s.delta[st], ld + p.S + q0, side, &s.full[st]);
+        if (ids) {
+          bulk_load(s.qid[st], qw + q0, side, &s.full[st]);
+          bulk_load(s.qok[st], qw + p.S + q0, side, &s.full[st]);
+        }
+        q0 = next;
       }
-    } else {   // reducers: row wt of each step's dQ
+    } else if (wt < kReducers) {   // reducers: row wt of each step's dQ
 #ifndef FUSEDATTN_BSB_NO_DQ
       const uint32_t src = smem_u32(s.dq + wt * kDqRow);
+      const int64_t q_row = int64_t(p.H) * kDim;
       for (int step = 0; step < steps; ++step) {
-        mbar_wait(&s.dq_full, step & 1);
         float* dst = p.dq_acc + (int64_t(b) * p.S + q_start(step) + wt) * q_row + h * kDim;
+        mbar_wait(&s.dq_full, step & 1);
         asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                      ::"l"(dst), "r"(src), "n"(kDim * 4) : "memory");
         asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
@@ -306,16 +309,11 @@ __global__ void __launch_bounds__(kThreads, 1) block_sparse_bwd_kernel(BwdParams
         ds_at[a][j] = (c0 + a) * kRows + ((r0 + 8 * j) ^ (((c0 + a) & 7) << 3));
   }
   const float scale_log2 = p.scale * 1.44269504088896340736f;
-  // (a proxy fence after each wait for tiles: cp.async wrote them, the tensor cores read them)
-  if (steps > 0) {
-    mbar_wait(&s.kv_full, 0);
-    cutlass::arch::fence_view_async_shared();
-  }
+  if (steps > 0) mbar_wait(&s.kv_full, 0);
 
   for (int step = 0; step < steps; ++step) {
     const int st = step % kStages, par = step & 1;
     mbar_wait(&s.full[st], (step / kStages) & 1);
-    cutlass::arch::fence_view_async_shared();
     const bool partial = (step >> 1) < n_partial;
     const int q0 = partial && p.causal ? q_start(step) : 0;
 
