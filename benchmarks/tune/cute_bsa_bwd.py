@@ -4,7 +4,8 @@ GPU kernels of seven (`fusedattn.block_sparse.kernel_bwd`)?
 
 Compiles the kernel with nvcc into shared objects, one per build switch (the whole
 kernel, or without dq: the dk / dv part alone; each with S^T and dP^T waited for
-together or apart), registers each as an XLA FFI target, and times them round-robin
+together or apart, or the dk / dv part with the two warpgroups taking turns on the
+tensor cores), registers each as an XLA FFI target, and times them round-robin
 with the Mosaic pair in one process on the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, the
 map from `from_segment_ids`), after checking every gradient the build computes
 against the Mosaic kernels', there and on causal documents cut mid-block with padding
@@ -13,7 +14,7 @@ pays outside its kernel, is timed alone beside them. Needs a Hopper GPU, nvcc,
 pybind11 and the CUTLASS headers (the `nvidia-cutlass` wheel, or CUTLASS_INCLUDE).
 `python -m benchmarks.tune.cute_bsa_bwd`
 
-`--profile LABEL[,LABEL]` compiles only those builds and, after the checks, runs each
+`--profile LABEL` (repeated for more) compiles only those builds and, after the checks, runs each
 once beside the Mosaic pair between cuProfilerStart and Stop, for
 `ncu --profile-from-start off` (no timing).
 """
@@ -42,7 +43,7 @@ DOCS = (512, 1024, 512, 2048)
 SOURCES = os.path.join(os.path.dirname(__file__), "cute_bwd")
 BUILDS = {"whole kernel": [], "whole kernel, split wait": ["-DFUSEDATTN_BSB_SPLIT_WAIT"],
           "no dq": ["-DFUSEDATTN_BSB_NO_DQ"],
-          "no dq, split wait": ["-DFUSEDATTN_BSB_NO_DQ", "-DFUSEDATTN_BSB_SPLIT_WAIT"]}
+          "no dq, turns": ["-DFUSEDATTN_BSB_NO_DQ", "-DFUSEDATTN_BSB_TURNS"]}
 
 
 def _cutlass_include() -> str:
@@ -122,8 +123,8 @@ def _check(label, got, ref, ids, pad_id, computes_dq):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", default="", help="comma-separated builds to profile")
-    profile = [x for x in ap.parse_args().profile.split(",") if x]
+    ap.add_argument("--profile", action="append", default=[], help="a build to profile")
+    profile = ap.parse_args().profile
     unknown = set(profile) - set(BUILDS)
     if unknown:
         raise SystemExit(f"--profile: unknown builds {sorted(unknown)}; known: {list(BUILDS)}")

@@ -52,7 +52,9 @@ std::string launch(cudaStream_t stream, const BwdParams& p) {
   constexpr bool bf16 = std::is_same_v<T, cutlass::bfloat16_t>;
   for (auto [map, base, tokens, heads] :
        {std::tuple{&maps.q, p.q, p.B * p.S, p.H}, std::tuple{&maps.dout, p.dout, p.B * p.S, p.H},
-        std::tuple{&maps.k, p.k, p.B * p.S_kv, p.H_kv}, std::tuple{&maps.v, p.v, p.B * p.S_kv, p.H_kv}}) {
+        std::tuple{&maps.k, p.k, p.B * p.S_kv, p.H_kv}, std::tuple{&maps.v, p.v, p.B * p.S_kv, p.H_kv},
+        std::tuple{&maps.dk, static_cast<const void*>(p.dk), p.B * p.S_kv, p.H},
+        std::tuple{&maps.dv, static_cast<const void*>(p.dv), p.B * p.S_kv, p.H}}) {
     std::string e = tensor_map(map, base, tokens, heads, bf16);
     if (!e.empty()) return e;
   }

@@ -13,7 +13,8 @@
 //     copies, so neither loads nor dQ's reduction stall the compute warpgroups.
 // Measurement switches: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
 // part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its
-// dV product run while dP^T is computed). Partial blocks apply the documents mask
+// dV product run while dP^T is computed), FUSEDATTN_BSB_TURNS (with NO_DQ: the two
+// compute warpgroups take turns on the tensor cores). Partial blocks apply the documents mask
 // (equal ids, both valid; optionally causal) and hide keys past the real length; full
 // blocks apply nothing.
 #pragma once
@@ -30,11 +31,11 @@
 
 namespace fusedattn::block_sparse {
 
-// TMA descriptors of q, k, v and dout as (d, head, token) over tokens of all batches,
+// TMA descriptors of q, k, v, dout, dk and dv as (d, head, token) over tokens of all batches,
 // each load a box of 64 d x 64 tokens with 128-byte swizzle: one half of a TileLayout
 // tile (made on the host, ffi.cu).
 struct BwdMaps {
-  CUtensorMap q, k, v, dout;
+  CUtensorMap q, k, v, dout, dk, dv;
 };
 
 struct BwdParams {
@@ -59,6 +60,9 @@ struct BwdParams {
   bool causal;                   // partial blocks also need key <= query
 };
 
+#if defined(FUSEDATTN_BSB_TURNS) && (!defined(FUSEDATTN_BSB_NO_DQ) || defined(FUSEDATTN_BSB_SPLIT_WAIT))
+#error "FUSEDATTN_BSB_TURNS is built with FUSEDATTN_BSB_NO_DQ and without FUSEDATTN_BSB_SPLIT_WAIT"
+#endif
 constexpr int kKeys = 128;       // keys a CTA owns (64 per compute warpgroup)
 constexpr int kRows = 64;        // queries a step
 constexpr int kDim = 128;
@@ -150,6 +154,18 @@ __device__ __forceinline__ void set_max_registers_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// Element offset of (row, col) in a 64 x 128 TileLayout tile on a 1024-byte aligned
+// base: 8 x 64 atoms of 128-byte rows, down the rows first, each row's 16-byte pieces
+// XORed with the row's index mod 8.
+__device__ __forceinline__ int swizzled(int r, int c) {
+  return (r >> 3) * 512 + (c >> 6) * 4096 + (r & 7) * 64 + ((((c & 63) >> 3) ^ (r & 7)) << 3) + (c & 7);
+}
+template <typename T>
+__device__ __forceinline__ void store_pair(T* smem, float x, float y) {
+  T pair[2] = {T(x), T(y)};
+  *reinterpret_cast<uint32_t*>(smem) = *reinterpret_cast<const uint32_t*>(pair);
+}
+
 // 64 rows from `row` (of all batches' tokens) at head `h` into a TileLayout tile: two
 // TMA boxes of 64 d (128-byte rows), the second half of d 4096 elements on.
 template <typename T>
@@ -160,6 +176,15 @@ __device__ __forceinline__ void load_tile(T* smem, const CUtensorMap* map, int h
         " [%0], [%1, {%2, %3, %4}], [%5];\n"
         ::"r"(smem_u32(smem + half * 4096)), "l"(reinterpret_cast<uint64_t>(map)),
           "r"(half * 64), "r"(h), "r"(row), "r"(smem_u32(bar)) : "memory");
+}
+
+// The reverse: a TileLayout tile out to 64 rows from `row` at head `h` (bulk group).
+template <typename T>
+__device__ __forceinline__ void store_tile(const CUtensorMap* map, const T* smem, int h, int row) {
+  for (int half = 0; half < 2; ++half)
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+                 ::"l"(reinterpret_cast<uint64_t>(map)), "r"(half * 64), "r"(h), "r"(row),
+                   "r"(smem_u32(smem + half * 4096)) : "memory");
 }
 
 template <class Mma, class TA, class TB, class TC>
@@ -311,6 +336,14 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
   const float scale_log2 = p.scale * 1.44269504088896340736f;
   if (steps > 0) mbar_wait(&s.kv_full, 0);
 
+#ifdef FUSEDATTN_BSB_TURNS
+  // The two warpgroups take turns on the tensor cores: between two meetings one issues
+  // (and waits for) a step's dV and dK and the next step's S^T and dP^T while the other
+  // computes P^T and dS^T. Warpgroup 1 starts a turn late.
+  auto turn = [] { asm volatile("bar.sync 2, 256;\n" ::: "memory"); };
+  if (wg == 1) turn();
+#endif
+
   for (int step = 0; step < steps; ++step) {
     const int st = step % kStages, par = step & 1;
     mbar_wait(&s.full[st], (step / kStages) & 1);
@@ -389,6 +422,9 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
 #else
       mma_blocks(mma_sdp, tSrV, tSrdO, acc_dp, true);
       warpgroup_commit_batch();
+#ifdef FUSEDATTN_BSB_TURNS
+      turn();
+#endif
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_s);
       warpgroup_fence_operand(acc_dp);
@@ -403,6 +439,9 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
     score_grads();
 #else
     score_grads();
+#ifdef FUSEDATTN_BSB_TURNS
+    turn();
+#endif
     accumulate(acc_dv, r_p, s.dout[st]);
 #endif
     accumulate(acc_dk, r_ds, s.q[st]);
@@ -456,21 +495,33 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
 #endif
   }
 
-  // dK (scaled) and dV of this warpgroup's 64 keys, per query head.
+#ifdef FUSEDATTN_BSB_TURNS
+  if (wg == 0) turn();
+#endif
+  // dK (scaled) and dV of this warpgroup's 64 keys, per query head: into its K and V
+  // tiles (once no product reads them: in the whole kernel the other warpgroup's dQ
+  // reads this K) and out by TMA (scalar stores of the fragments took a quarter of
+  // the no-dQ kernel's time).
+#ifndef FUSEDATTN_BSB_NO_DQ
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+#endif
   Tensor coord_kv = thr_kv.partition_C(make_identity_tensor(Shape<_64, _128>{}));
-  T* dk = static_cast<T*>(p.dk);
-  T* dv = static_cast<T*>(p.dv);
-  const int64_t out_row = int64_t(p.H) * kDim;
-  const int64_t base = (int64_t(b) * p.S_kv + k0 + wg * kRows) * out_row + h * kDim;
+  T* sk = s.k[wg];
+  T* sv = s.v[wg];
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
-    const int r = get<0>(coord_kv(i)), c = get<1>(coord_kv(i));
-    T* a = dk + base + r * out_row + c;
-    T* d = dv + base + r * out_row + c;
-    a[0] = T(acc_dk(i) * p.scale);
-    a[1] = T(acc_dk(i + 1) * p.scale);
-    d[0] = T(acc_dv(i));
-    d[1] = T(acc_dv(i + 1));
+    const int at = swizzled(get<0>(coord_kv(i)), get<1>(coord_kv(i)));
+    store_pair(sk + at, acc_dk(i) * p.scale, acc_dk(i + 1) * p.scale);
+    store_pair(sv + at, acc_dv(i), acc_dv(i + 1));
+  }
+  cutlass::arch::fence_view_async_shared();
+  asm volatile("bar.sync %0, 128;\n" ::"r"(3 + wg) : "memory");
+  if (wt == 0) {
+    const int row = b * p.S_kv + k0 + wg * kRows;
+    store_tile(&maps.dk, sk, h, row);
+    store_tile(&maps.dv, sv, h, row);
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
   }
 }
 
