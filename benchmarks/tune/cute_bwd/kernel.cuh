@@ -426,8 +426,8 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
 #endif
   // dK (scaled) and dV of this warpgroup's 64 keys, per query head: into its K and V
   // tiles (once no product reads them: in the whole kernel the other warpgroup's dQ
-  // reads this K) and out by TMA (scalar stores of the fragments took a quarter of
-  // the no-dQ kernel's time).
+  // reads this K) and out by TMA, whole rows at once (the fragments' scalar stores were
+  // slow: docs/decisions.md).
 #ifndef FUSEDATTN_BSB_NO_DQ
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
 #endif
