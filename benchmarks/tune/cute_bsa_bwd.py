@@ -25,6 +25,7 @@ import argparse
 import ctypes
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,11 @@ def compile_builds(work: str, builds: dict) -> dict:
             raise RuntimeError(f"nvcc ({label}):\n{done.stderr[-3000:]}")
         spills = sorted({ln.strip() for ln in done.stderr.splitlines() if "spill" in ln})
         print(f"{label}: {'; '.join(spills)}")
+        # setmaxnreg's 2 x 240 + 24 registers a thread are what 168 at launch give the
+        # CTA: with fewer, setmaxnreg.inc would wait forever.
+        used = set(re.findall(r"Used (\d+) registers", done.stderr))
+        if used != {"168"}:
+            raise RuntimeError(f"nvcc ({label}): {sorted(used)} registers at launch, not 168")
         return label, path
     with ThreadPoolExecutor(len(builds)) as pool:
         return dict(pool.map(build, builds.items()))
@@ -80,8 +86,11 @@ def compile_builds(work: str, builds: dict) -> dict:
 def _profiler(on: bool):
     """cuProfilerStart / Stop (the driver's, which every CUDA process has loaded): the
     range ncu --profile-from-start off records."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    (lib.cuProfilerStart if on else lib.cuProfilerStop)()
+    call = getattr(ctypes.CDLL("libcuda.so.1"), "cuProfilerStart" if on else "cuProfilerStop")
+    call.restype = ctypes.c_int
+    result = call()   # (it acts on the thread's current context, which JAX may not have left)
+    if result:
+        raise RuntimeError(f"{call.__name__} failed: CUresult {result}")
 
 
 def _words(ids, pad_id):

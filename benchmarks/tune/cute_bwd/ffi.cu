@@ -45,7 +45,8 @@ template <typename T>
 std::string launch(cudaStream_t stream, const BwdParams& p) {
   constexpr int smem = bwd_smem_bytes<T>() + 1024;   // (room to align the base)
   auto kernel = block_sparse_bwd_kernel<T>;
-  static const cudaError_t attr = cudaFuncSetAttribute(
+  // (every call: the attribute is the current device's)
+  const cudaError_t attr = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return std::string("smem attribute: ") + cudaGetErrorString(attr);
   BwdMaps maps;
@@ -92,6 +93,8 @@ std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
     if (wq.size() != 3 || wk.size() != 3 || wq[1] != 2 || wk[1] != 2 || wq[2] != p.S ||
         wk[2] != p.S_kv || wq[0] != wk[0] || (wq[0] != 1 && wq[0] != p.B))
       return "q_words / kv_words must be [B|1, 2, S] / [B|1, 2, S_kv]";
+    if (q_words.element_type() != ffi::DataType::S32 || kv_words.element_type() != ffi::DataType::S32)
+      return "q_words / kv_words must be int32";
     p.words_b = wq[0] != 1;
   }
   return {};
@@ -112,6 +115,8 @@ ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                       dk->element_count() != q.element_count() / p.S * p.S_kv ||
                       dv->element_count() != dk->element_count()))
     err = "dq_acc must be [B, S, H, D]; dk, dv [B, S_kv, H, D]";
+  if (err.empty() && (dk->element_type() != q.element_type() || dv->element_type() != q.element_type()))
+    err = "dk and dv must have q's dtype";
   if (!err.empty()) return ffi::Error::InvalidArgument("fusedattn_block_sparse_bwd: " + err);
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data(); p.dout = d_o.untyped_data();
   p.lse_delta = lse_delta.typed_data();

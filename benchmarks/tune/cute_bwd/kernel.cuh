@@ -128,8 +128,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
   using Ty = BwdTypes<T>;
   using Smem = typename Ty::Smem;
+  // The tiles need a 1024-byte aligned base (128-byte swizzle): the launch gives room.
   extern __shared__ __align__(1024) char smem_raw[];
-  Smem& s = *reinterpret_cast<Smem*>(smem_raw);
+  Smem& s = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
 
   const int tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
   const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
