@@ -100,9 +100,9 @@ def config_reason(config: AttnConfig, kernels: bool = True) -> Optional[str]:
         (config.is_fp8, "no FP8 kernels"),
         (kernels and config.dtype not in DTYPES,
          f"dtype {config.dtype}: kernels are {'/'.join(DTYPES)}"),
-        (kernels and (config.d_qk != config.d_v or config.d_qk not in HEAD_DIMS),
-         f"head dims {config.d_qk}/{config.d_v}: kernels take d_qk == d_v in {HEAD_DIMS}"),
-        (config.d_qk != config.d_v, f"head dims {config.d_qk}/{config.d_v}: takes d_qk == d_v"),
+        (config.d_qk != config.d_v or (kernels and config.d_qk not in HEAD_DIMS),
+         f"head dims {config.d_qk}/{config.d_v}: "
+         + (f"kernels take d_qk == d_v in {HEAD_DIMS}" if kernels else "takes d_qk == d_v")),
         (config.sequence not in ("dense", "padding", "packed"),
          f"sequence {config.sequence!r}: takes dense, padded or packed sequences"),
         (config.has_bias or config.has_dropout or config.softmax != "vanilla",
