@@ -14,9 +14,9 @@
 // Measurement switches: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
 // part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its
 // dV product run while dP^T is computed), FUSEDATTN_BSB_TURNS (with NO_DQ: the two
-// compute warpgroups take turns on the tensor cores). Partial blocks apply the documents mask
-// (equal ids, both valid; optionally causal) and hide keys past the real length; full
-// blocks apply nothing.
+// compute warpgroups take turns on the tensor cores). Partial blocks apply the
+// documents mask (equal ids, both valid; optionally causal) and hide keys past the real
+// length; full blocks apply nothing.
 #pragma once
 
 #include <cstdint>
