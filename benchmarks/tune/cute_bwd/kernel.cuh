@@ -14,9 +14,10 @@
 // Measurement switches: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
 // part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its
 // dV product run while dP^T is computed), FUSEDATTN_BSB_TURNS (with NO_DQ: the two
-// compute warpgroups take turns on the tensor cores). Partial blocks apply the
-// documents mask (equal ids, both valid; optionally causal) and hide keys past the real
-// length; full blocks apply nothing.
+// compute warpgroups take turns on the tensor cores), FUSEDATTN_BSB_DQ_BEFORE_DK (dQ
+// issued before dK, and staged while dK runs). Partial blocks apply the documents
+// mask (equal ids, both valid; optionally causal) and hide keys past the real length;
+// full blocks apply nothing.
 #pragma once
 
 #include <cstdint>
@@ -62,6 +63,9 @@ struct BwdParams {
   bool causal;                   // partial blocks also need key <= query
 };
 
+#if defined(FUSEDATTN_BSB_DQ_BEFORE_DK) && defined(FUSEDATTN_BSB_NO_DQ)
+#error "FUSEDATTN_BSB_DQ_BEFORE_DK needs dQ"
+#endif
 #if defined(FUSEDATTN_BSB_TURNS) && (!defined(FUSEDATTN_BSB_NO_DQ) || defined(FUSEDATTN_BSB_SPLIT_WAIT))
 #error "FUSEDATTN_BSB_TURNS is built with FUSEDATTN_BSB_NO_DQ and without FUSEDATTN_BSB_SPLIT_WAIT"
 #endif
@@ -371,9 +375,8 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
 #endif
     accumulate(acc_dv, r_p, s.dout[st]);
 #endif
-    accumulate(acc_dk, r_ds, s.q[st]);
-
 #ifdef FUSEDATTN_BSB_NO_DQ
+    accumulate(acc_dk, r_ds, s.q[st]);
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_dv);
     warpgroup_fence_operand(acc_dk);
@@ -381,6 +384,9 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
     warpgroup_fence_operand(r_ds);
     mbar_arrive(&s.empty[st]);
 #else
+#ifndef FUSEDATTN_BSB_DQ_BEFORE_DK
+    accumulate(acc_dk, r_ds, s.q[st]);
+#endif
     // Both halves of dS in shared memory, seen by the tensor cores (the other
     // warpgroup's dQ of two steps back, which read this parity's tiles, has completed
     // before it reached the last step's barrier).
@@ -400,13 +406,23 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
       mma_blocks(mma_q, tQrdS, tQrKt, acc_dq, u == 0);
     }
     warpgroup_commit_batch();
-    warpgroup_wait<1>();         // dV and dK: this step's Q, dO, lse, delta and ids are
-    warpgroup_fence_operand(acc_dv);   // read (dQ reads only dS and K)
-    warpgroup_fence_operand(acc_dk);
-    warpgroup_fence_operand(r_p);
-    warpgroup_fence_operand(r_ds);
-    mbar_arrive(&s.empty[st]);
+    // dV, dK and dQ done, this step's Q, dO, lse, delta and ids are read (dQ reads only
+    // dS and K); with dQ before dK, dQ is staged while dK runs.
+    auto release_stage = [&] {
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(r_p);
+      warpgroup_fence_operand(r_ds);
+      mbar_arrive(&s.empty[st]);
+    };
+#ifdef FUSEDATTN_BSB_DQ_BEFORE_DK
+    accumulate(acc_dk, r_ds, s.q[st]);
+    warpgroup_wait<1>();   // dV and dQ
+#else
+    warpgroup_wait<1>();   // dV and dK
+    release_stage();
     warpgroup_wait<0>();
+#endif
     warpgroup_fence_operand(acc_dq);
 
     // This warpgroup's half of dQ into the staging rows, once the reducers have read
@@ -419,6 +435,10 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
     }
     cutlass::arch::fence_view_async_shared();
     mbar_arrive(&s.dq_full);
+#ifdef FUSEDATTN_BSB_DQ_BEFORE_DK
+    warpgroup_wait<0>();   // dK
+    release_stage();
+#endif
 #endif
   }
 
