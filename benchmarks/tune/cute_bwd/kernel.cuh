@@ -406,8 +406,9 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
       mma_blocks(mma_q, tQrdS, tQrKt, acc_dq, u == 0);
     }
     warpgroup_commit_batch();
-    // dV, dK and dQ done, this step's Q, dO, lse, delta and ids are read (dQ reads only
-    // dS and K); with dQ before dK, dQ is staged while dK runs.
+    // Once dV and dK are done this step's Q, dO, lse, delta and ids are read (dQ reads
+    // only dS and K) and the stage goes back to the producer. With dQ before dK, dQ is
+    // staged while dK runs.
     auto release_stage = [&] {
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
