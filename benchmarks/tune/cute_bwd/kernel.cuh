@@ -207,8 +207,7 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
         mbar_wait(&s.dq_full, step & 1);
         asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                      ::"l"(dst), "r"(src), "n"(kDim * 4) : "memory");
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        bulk_commit_wait_read();
         mbar_arrive(&s.dq_empty);
       }
       asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
@@ -375,14 +374,19 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
 #endif
     accumulate(acc_dv, r_p, s.dout[st]);
 #endif
+    // Once dV and dK are done this step's Q, dO, lse, delta and ids are read (dQ reads
+    // only dS and K) and the stage goes back to the producer.
+    auto release_stage = [&] {
+      warpgroup_fence_operand(acc_dv);
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_fence_operand(r_p);
+      warpgroup_fence_operand(r_ds);
+      mbar_arrive(&s.empty[st]);
+    };
 #ifdef FUSEDATTN_BSB_NO_DQ
     accumulate(acc_dk, r_ds, s.q[st]);
     warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_dv);
-    warpgroup_fence_operand(acc_dk);
-    warpgroup_fence_operand(r_p);
-    warpgroup_fence_operand(r_ds);
-    mbar_arrive(&s.empty[st]);
+    release_stage();
 #else
 #ifndef FUSEDATTN_BSB_DQ_BEFORE_DK
     accumulate(acc_dk, r_ds, s.q[st]);
@@ -406,18 +410,8 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
       mma_blocks(mma_q, tQrdS, tQrKt, acc_dq, u == 0);
     }
     warpgroup_commit_batch();
-    // Once dV and dK are done this step's Q, dO, lse, delta and ids are read (dQ reads
-    // only dS and K) and the stage goes back to the producer. With dQ before dK, dQ is
-    // staged while dK runs.
-    auto release_stage = [&] {
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(acc_dk);
-      warpgroup_fence_operand(r_p);
-      warpgroup_fence_operand(r_ds);
-      mbar_arrive(&s.empty[st]);
-    };
 #ifdef FUSEDATTN_BSB_DQ_BEFORE_DK
-    accumulate(acc_dk, r_ds, s.q[st]);
+    accumulate(acc_dk, r_ds, s.q[st]);   // (dQ staged while dK runs)
     warpgroup_wait<1>();   // dV and dQ
 #else
     warpgroup_wait<1>();   // dV and dK
@@ -468,8 +462,7 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
     const int row = b * p.S_kv + k0 + wg * kRows;
     store_tile(&maps.dk, sk, h, row);
     store_tile(&maps.dv, sv, h, row);
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    bulk_commit_wait_read();
   }
 }
 
