@@ -3,9 +3,8 @@
 GPU kernels of seven (`fusedattn.block_sparse.kernel_bwd`)?
 
 Compiles the kernel with nvcc into shared objects, one per build switch (the whole
-kernel, with S^T and dP^T waited for together or apart, and dQ issued after dK or
-before it; without dq, the dk / dv part alone or with the two warpgroups taking turns
-on the tensor cores), registers each as an XLA FFI target, and times them round-robin
+kernel, with S^T and dP^T waited for together or apart; without dq, the dk / dv part
+alone or with the two warpgroups taking turns on the tensor cores), registers each as an XLA FFI target, and times them round-robin
 with the Mosaic pair in one process on the benchmark's documents (b4 s4096 h16 d128
 bf16, 512/1024/512/2048, the map from `from_segment_ids`), after checking every
 gradient the build computes against the Mosaic kernels', there and on causal documents
@@ -45,9 +44,6 @@ B, S, H, D = 4, 4096, 16, 128
 DOCS = (512, 1024, 512, 2048)
 SOURCES = os.path.join(os.path.dirname(__file__), "cute_bwd")
 BUILDS = {"whole kernel": [], "whole kernel, split wait": ["-DFUSEDATTN_BSB_SPLIT_WAIT"],
-          "whole kernel, dq before dk": ["-DFUSEDATTN_BSB_DQ_BEFORE_DK"],
-          "whole kernel, split wait, dq before dk": ["-DFUSEDATTN_BSB_SPLIT_WAIT",
-                                                     "-DFUSEDATTN_BSB_DQ_BEFORE_DK"],
           "no dq": ["-DFUSEDATTN_BSB_NO_DQ"],
           "no dq, turns": ["-DFUSEDATTN_BSB_NO_DQ", "-DFUSEDATTN_BSB_TURNS"]}
 

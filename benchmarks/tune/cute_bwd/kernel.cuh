@@ -4,9 +4,10 @@
 //   - two compute warpgroups, each owning 64 keys:
 //       S^T = K Q^T, dP^T = V dO^T               (shared memory operands)
 //       P^T = exp2(S^T - lse), dS^T = P^T (dP^T - delta)
-//       dV += P^T dO, dK += dS^T Q                (P^T, dS^T from registers)
+//       dV += P^T dO                               (P^T from registers)
 //       dQ  = dS K, half of the head dim each      (both halves of dS through shared memory)
-//     and each stages its f32 half of dQ in shared memory;
+//       dK += dS^T Q                               (dS^T from registers)
+//     and each stages its f32 half of dQ in shared memory while dK runs;
 //   - a producer warpgroup: one thread loads K, V and each step's Q, dO, lse, delta and
 //     ids with TMA and bulk copies into a ring of stages (mbarriers say full / empty),
 //     and two warps reduce-add the staged dQ rows into the f32 dq buffer with bulk
@@ -14,10 +15,9 @@
 // Measurement switches: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
 // part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its
 // dV product run while dP^T is computed), FUSEDATTN_BSB_TURNS (with NO_DQ: the two
-// compute warpgroups take turns on the tensor cores), FUSEDATTN_BSB_DQ_BEFORE_DK (dQ
-// issued before dK, and staged while dK runs). Partial blocks apply the documents
-// mask (equal ids, both valid; optionally causal) and hide keys past the real length;
-// full blocks apply nothing.
+// compute warpgroups take turns on the tensor cores). Partial blocks apply the
+// documents mask (equal ids, both valid; optionally causal) and hide keys past the
+// real length; full blocks apply nothing.
 #pragma once
 
 #include <cstdint>
@@ -63,9 +63,6 @@ struct BwdParams {
   bool causal;                   // partial blocks also need key <= query
 };
 
-#if defined(FUSEDATTN_BSB_DQ_BEFORE_DK) && defined(FUSEDATTN_BSB_NO_DQ)
-#error "FUSEDATTN_BSB_DQ_BEFORE_DK needs dQ"
-#endif
 #if defined(FUSEDATTN_BSB_TURNS) && (!defined(FUSEDATTN_BSB_NO_DQ) || defined(FUSEDATTN_BSB_SPLIT_WAIT))
 #error "FUSEDATTN_BSB_TURNS is built with FUSEDATTN_BSB_NO_DQ and without FUSEDATTN_BSB_SPLIT_WAIT"
 #endif
@@ -251,18 +248,14 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
     key_ok0 = key_ok0 && kw[p.S_kv + key_r0] != 0;
     key_ok1 = key_ok1 && kw[p.S_kv + key_r1] != 0;
   }
-  // dS[query][key] of value i in the swizzled tile (16-byte pieces of a 128-byte row
-  // XORed with the row's index mod 8), written by hand: CuTe's view of the transpose
-  // kept 32 addresses live and spilled, and so did 32 offsets computed once. Value i
-  // is at query c0 + (i & 1) + 8 (i >> 2) and key r0 + 8 ((i >> 1) & 1), so four
-  // offsets and a constant stride give all 32.
-  int ds_at[2][2];
-  {
-    const int r0 = get<0>(coord_s(0)), c0 = get<1>(coord_s(0));
-    for (int a = 0; a < 2; ++a)
-      for (int j = 0; j < 2; ++j)
-        ds_at[a][j] = (c0 + a) * kRows + ((r0 + 8 * j) ^ (((c0 + a) & 7) << 3));
-  }
+  // dS goes into its (query, key) tile, 128-byte swizzled (16-byte pieces of a 128-byte
+  // row XORed with the row's index mod 8), by stmatrix.trans, four 8 x 8 pieces of the
+  // fragment a store (value by value the stores were slower): lane 8m + jj gives the
+  // address of piece m's query row jj, 16 bytes of keys from 16 (warp) + 8 (m & 1).
+  const uint32_t ds_lane = [&] {
+    const int lane = wt & 31, m = lane >> 3, jj = lane & 7;
+    return uint32_t(sizeof(T)) * ((8 * (m >> 1) + jj) * kRows + ((((wt >> 5) * 2 + (m & 1)) ^ jj) << 3));
+  }();
   const float scale_log2 = p.scale * 1.44269504088896340736f;
   if (steps > 0) mbar_wait(&s.kv_full, 0);
 
@@ -310,17 +303,27 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
         r_p(i) = T(acc_s(i));
       }
     };
-    // dS^T into r_ds, and dS into this warpgroup's shared tile for dQ.
+    // dS^T into r_ds, and then dS into this warpgroup's shared tile for dQ: a second
+    // loop, so no delta load waits behind a store it might alias (in one loop each did,
+    // and their latency showed).
     auto score_grads = [&]() {
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
         const int qc = get<1>(coord_s(i));
-        const float ds = acc_s(i) * (acc_dp(i) - s.delta[st][qc]);
-        r_ds(i) = T(ds);
-#ifndef FUSEDATTN_BSB_NO_DQ
-        ds_tile[ds_at[i & 1][(i >> 1) & 1] + 512 * (i >> 2)] = T(ds);
-#endif
+        r_ds(i) = T(acc_s(i) * (acc_dp(i) - s.delta[st][qc]));
       }
+#ifndef FUSEDATTN_BSB_NO_DQ
+      // Piece m of the nth store, keys 8 (m & 1) on and queries 8 (2n + (m >> 1)) on of
+      // this warp's, is the pairs of values in register 4n + m (value i at key
+      // r0 + 8 ((i >> 1) & 1), query c0 + (i & 1) + 8 (i >> 2)), 16 query rows a store.
+      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(r_ds.data());
+      const uint32_t row = smem_u32(ds_tile) + ds_lane;
+      CUTE_UNROLL
+      for (int n = 0; n < 4; ++n)
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                     ::"r"(row + uint32_t(n * 16 * kRows * sizeof(T))), "r"(pairs[4 * n]), "r"(pairs[4 * n + 1]),
+                       "r"(pairs[4 * n + 2]), "r"(pairs[4 * n + 3]) : "memory");
+#endif
     };
     // acc += a @ b_tile (dV: P^T with dO, dK: dS^T with Q) as one wgmma group. (The B
     // operand's descriptors are made here: kept across the loops above they took
@@ -388,9 +391,6 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
     warpgroup_wait<0>();
     release_stage();
 #else
-#ifndef FUSEDATTN_BSB_DQ_BEFORE_DK
-    accumulate(acc_dk, r_ds, s.q[st]);
-#endif
     // Both halves of dS in shared memory, seen by the tensor cores (the other
     // warpgroup's dQ of two steps back, which read this parity's tiles, has completed
     // before it reached the last step's barrier).
@@ -410,14 +410,8 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
       mma_blocks(mma_q, tQrdS, tQrKt, acc_dq, u == 0);
     }
     warpgroup_commit_batch();
-#ifdef FUSEDATTN_BSB_DQ_BEFORE_DK
     accumulate(acc_dk, r_ds, s.q[st]);   // (dQ staged while dK runs)
     warpgroup_wait<1>();   // dV and dQ
-#else
-    warpgroup_wait<1>();   // dV and dK
-    release_stage();
-    warpgroup_wait<0>();
-#endif
     warpgroup_fence_operand(acc_dq);
 
     // This warpgroup's half of dQ into the staging rows, once the reducers have read
@@ -430,10 +424,8 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
     }
     cutlass::arch::fence_view_async_shared();
     mbar_arrive(&s.dq_full);
-#ifdef FUSEDATTN_BSB_DQ_BEFORE_DK
     warpgroup_wait<0>();   // dK
     release_stage();
-#endif
 #endif
   }
 
