@@ -22,6 +22,9 @@ document mask inside the step from the ids, as Flax's ``make_attention_mask(ids,
 jnp.equal)`` does (it runs as a mask_mod over the ids, `tracing.mask_program`).
 "documents" is flex_attention's documents mask_mod, ``ids[b, q] == ids[b, kv]``, through
 `fused_attn` (ids in any order: a block map, its ids counted per block);
+"documents:deterministic" asks for a backward of the same bits run after run
+(the Mosaic dq and dk / dv kernels; without it a documents mask's backward is one
+kernel that adds dq with atomics, `block_sparse.kernel_bwd_fused`);
 "documents:segment_ids" builds the same map with `block_sparse.from_segment_ids` and
 calls the kernels by name; "documents:sbhd" gives the mask_mod sequence-first q, k, v
 and dO (``layout="sbhd"``, which the kernels read in place); "documents_causal" is flex's
@@ -36,12 +39,16 @@ difference, causal inside each packed document (by diagonals: the segments are s
 torch flex_attention (torch.compile, create_block_mask built once outside the timing)
 runs in a child process, timed the same way.
 
-    python -m benchmarks.bench_block_sparse
+    python -m benchmarks.bench_block_sparse [--only CASE,CASE,...]
+
+`--only` runs those rows (and torch's of the same masks) and prints them without
+writing the results page, which holds every row of one run.
 
 Writes benchmarks/results/block_sparse_<device>.json.
 """
 from __future__ import annotations
 
+import argparse
 import json
 
 import jax
@@ -127,6 +134,10 @@ def cases():
     def documents(q, k, v, ids):   # the issue's form: flex's mask_mod reading an id array
         return fusedattn.fused_attn(q, k, v, mask_mod=doc_mod, score_mod_args=(ids,))
 
+    def documents_deterministic(q, k, v, ids):   # the backward of two kernels, no atomics
+        return fusedattn.fused_attn(q, k, v, mask_mod=doc_mod, score_mod_args=(ids,),
+                                    deterministic=True)
+
     def documents_causal(q, k, v, ids):   # flex's causal documents mask_mod
         return fusedattn.fused_attn(q, k, v, mask_mod=doc_causal_mod, score_mod_args=(ids,))
 
@@ -176,7 +187,7 @@ def cases():
 
     return {"sliding_window": window, "sliding_window:block_sparse": window_kernels,
             "prefix_lm": prefix, "documents": documents,
-            "documents:sbhd": documents_sbhd,
+            "documents:sbhd": documents_sbhd, "documents:deterministic": documents_deterministic,
             "documents:segment_ids": documents_ids, "documents:packed": documents_packed,
             "documents_prefix:packed": documents_prefix_packed,
             "documents_causal+t5_bias:packed": documents_causal_t5_packed,
@@ -285,15 +296,23 @@ cases = {
 '''
 
 
-def torch_times() -> dict:
+def torch_times(only=None) -> dict:
     cases = TORCH_CASES % (WINDOW, PREFIX, DOC_PREFIX, S - 1, json.dumps(_doc_ids()[0].tolist()),
                            json.dumps(np.asarray(SLOPES).tolist()),
                            json.dumps(np.asarray(DOC_SCALE).tolist()),
                            json.dumps(np.asarray(T5_TABLE).tolist()), json.dumps(_t5_buckets()))
+    if only is not None:
+        cases += f"cases = {{k: c for k, c in cases.items() if k in {sorted(only)!r}}}\n"
     return torch_flex.times(B, S, H, D, cases)
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", help="comma-separated rows to run; the page is not written")
+    only = ap.parse_args().only
+    only = None if only is None else set(only.split(","))
+    if only is not None and only - set(cases()) - {"causal"}:
+        raise SystemExit(f"--only: unknown rows {sorted(only - set(cases()) - {'causal'})}")
     if jax.default_backend() != "gpu":
         print("bench_block_sparse: needs a CUDA GPU, skipped")
         return
@@ -301,7 +320,7 @@ def main():
     print(f"device {meta.get('device')}  jax {meta.get('jax')}", flush=True)
     notes = {}
     try:
-        torch = torch_times()
+        torch = torch_times(None if only is None else {n.split(":")[0] for n in only})
     except Exception as e:  # noqa: BLE001 - the anchor is reported missing, with why
         torch, notes["torch"] = {}, f"{type(e).__name__}: {str(e)[:300]}"
     keys = jax.random.split(jax.random.key(0), 4)
@@ -325,7 +344,8 @@ def main():
                       "sliding_window+alibi": route(mask_mod=_window_of_args, score_mod=_alibi,
                                                     score_mod_args=(SLOPES,))}
     rows = []
-    extras = {"documents": ids, "documents:sbhd": ids, "documents:segment_ids": ids,
+    extras = {"documents": ids, "documents:sbhd": ids, "documents:deterministic": ids,
+              "documents:segment_ids": ids,
               "documents:packed": ids, "documents_prefix:packed": ids,
               "documents_causal+t5_bias:packed": ids,
               "documents_dense_mask": dense, "documents_dense_mask:built_in_step": ids,
@@ -333,6 +353,8 @@ def main():
               "causal_dense_mask": jnp.asarray(np.tril(np.ones((S, S), bool)))[None, None],
               "documents+document_scale": ids}
     for name, fn in list(cases().items()) + [("causal", causal_fn)]:
+        if only is not None and name not in only:
+            continue
         pairs = _visible_pairs(name)
         impls = {"fusedattn": fn}
         if name.endswith("_dense_mask"):
@@ -367,7 +389,8 @@ def main():
     print_table(rows, ["case", "mode", "fusedattn_ms", "fusedattn", "torch-flex_ms", "torch-flex",
                        "x torch", "x plain causal", "jax.nn cudnn, dense mask_ms", "x jax.nn"])
     meta["notes"] = notes
-    print(write_results(f"block_sparse_{device_slug(meta)}", rows, meta))
+    if only is None:
+        print(write_results(f"block_sparse_{device_slug(meta)}", rows, meta))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ export PYTHONUNBUFFERED=1
 # Never NVLink multicast on shared multi-GPU hosts (it can take the host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-# Wheels the machine lacks (cudnn-frontend headers, flash-attn3-jax) may travel in .whl/.
+# Wheels the machine lacks (cudnn-frontend headers, flash-attn3-jax, nvidia-cutlass for the
+# block-sparse backward kernel: without it the extension builds without that kernel) may
+# travel in .whl/.
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/fusedattn-site .whl/*.whl

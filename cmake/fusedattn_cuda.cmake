@@ -22,6 +22,17 @@ macro(_fusedattn_python_path out code)
                   OUTPUT_VARIABLE ${out} OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
 endmacro()
 
+# A headers directory: the CMake variable `var`, else the environment's, else what
+# the Python `code` prints (a wheel's include directory).
+macro(_fusedattn_headers var code)
+  if(NOT ${var} AND DEFINED ENV{${var}})
+    set(${var} "$ENV{${var}}")
+  endif()
+  if(NOT ${var})
+    _fusedattn_python_path(${var} "${code}")
+  endif()
+endmacro()
+
 # File scope, not a function: enable_language() must run at directory scope.
 include(CheckLanguage)
 check_language(CUDA)
@@ -49,11 +60,7 @@ if(NOT EXISTS "${CUDNN_INCLUDE_DIR}/cudnn.h" OR NOT EXISTS "${CUDNN_LIBRARY}")
 endif()
 
 # cudnn-frontend: explicit path, else the wheel's include/ beside its `cudnn` package.
-if(NOT CUDNN_FRONTEND_INCLUDE AND DEFINED ENV{CUDNN_FRONTEND_INCLUDE})
-  set(CUDNN_FRONTEND_INCLUDE "$ENV{CUDNN_FRONTEND_INCLUDE}")
-endif()
-if(NOT CUDNN_FRONTEND_INCLUDE)
-  _fusedattn_python_path(CUDNN_FRONTEND_INCLUDE [=[
+_fusedattn_headers(CUDNN_FRONTEND_INCLUDE [=[
 import importlib.util, os, sysconfig
 spec = importlib.util.find_spec("cudnn")
 roots = [os.path.dirname(os.path.dirname(spec.origin))] if spec and spec.origin else []
@@ -62,7 +69,6 @@ roots += [os.path.join(sysconfig.get_paths()["data"], "include")]
 print(next((os.path.join(r, "include") for r in roots
           if os.path.exists(os.path.join(r, "include", "cudnn_frontend.h"))), ""))
 ]=])
-endif()
 if(NOT EXISTS "${CUDNN_FRONTEND_INCLUDE}/cudnn_frontend.h")
   _fusedattn_cuda_skip("cudnn-frontend headers not found (pip install nvidia-cudnn-frontend, or set CUDNN_FRONTEND_INCLUDE)")
   return()
@@ -134,6 +140,34 @@ set_target_properties(_cuda PROPERTIES
   INSTALL_RPATH "${_cudnn_lib_dir};$ORIGIN/../nvidia/cudnn/lib"
   BUILD_WITH_INSTALL_RPATH ON)
 install(TARGETS _cuda LIBRARY DESTINATION fusedattn)
+
+# The block-sparse backward of one kernel (csrc/cuda/block_sparse_bwd: CuTe, wgmma and
+# TMA, so sm_90a only), where the CUTLASS headers are found (the nvidia-cutlass wheel,
+# or CUTLASS_INCLUDE); without them the extension lacks its FFI target and the
+# block-sparse backward runs the Mosaic GPU kernels.
+_fusedattn_headers(CUTLASS_INCLUDE [=[
+import importlib.util, os
+spec = importlib.util.find_spec("cutlass_library")
+print(os.path.join(list(spec.submodule_search_locations)[0], "source", "include") if spec else "")
+]=])
+if(EXISTS "${CUTLASS_INCLUDE}/cute/tensor.hpp")
+  add_library(_block_sparse_bwd OBJECT
+              "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/block_sparse_bwd/ffi.cu")
+  # (arch flags of its own: the extension's list holds architectures without wgmma)
+  set_target_properties(_block_sparse_bwd PROPERTIES CUDA_ARCHITECTURES OFF
+                        POSITION_INDEPENDENT_CODE ON CUDA_STANDARD 17)
+  target_compile_options(_block_sparse_bwd PRIVATE
+    --expt-relaxed-constexpr -lineinfo "SHELL:-gencode arch=compute_90a,code=sm_90a")
+  target_include_directories(_block_sparse_bwd PRIVATE
+    "${FUSEDATTN_COMMON_DIR}" "${FUSEDATTN_XLA_FFI_INCLUDE}")
+  target_include_directories(_block_sparse_bwd SYSTEM PRIVATE "${CUTLASS_INCLUDE}")
+  target_link_libraries(_block_sparse_bwd PRIVATE pybind11::module)
+  target_link_libraries(_cuda PRIVATE _block_sparse_bwd)
+  message(STATUS "fusedattn: the block-sparse backward kernel built for sm_90a (CUTLASS ${CUTLASS_INCLUDE})")
+else()
+  message(STATUS "fusedattn: the block-sparse backward kernel skipped: CUTLASS headers not found "
+                 "(pip install nvidia-cutlass, or set CUTLASS_INCLUDE)")
+endif()
 
 message(STATUS "fusedattn: building fusedattn._cuda for sm ${CMAKE_CUDA_ARCHITECTURES}; "
                "cuDNN ${CUDNN_LIBRARY}; cudnn-frontend ${CUDNN_FRONTEND_INCLUDE}")

@@ -1,6 +1,6 @@
 """How fast is a CuTe C++ block-sparse backward of our own, one kernel of five products
-(`cute_bwd/kernel.cuh`: dq added in f32 from the dk / dv walk), against the two Mosaic
-GPU kernels of seven (`fusedattn.block_sparse.kernel_bwd`)?
+(`csrc/cuda/block_sparse_bwd/kernel.cuh`: dq added in f32 from the dk / dv walk), against
+the two Mosaic GPU kernels of seven (`fusedattn.block_sparse.kernel_bwd`)?
 
 Compiles the kernel with nvcc into shared objects, one per build switch (the whole
 kernel, with S^T and dP^T waited for together or apart; without dq, the dk / dv part
@@ -42,7 +42,8 @@ from fusedattn.block_sparse import kernel_bwd
 
 B, S, H, D = 4, 4096, 16, 128
 DOCS = (512, 1024, 512, 2048)
-SOURCES = os.path.join(os.path.dirname(__file__), "cute_bwd")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SOURCES = os.path.join(ROOT, "csrc", "cuda", "block_sparse_bwd")
 BUILDS = {"whole kernel": [], "whole kernel, split wait": ["-DFUSEDATTN_BSB_SPLIT_WAIT"],
           "no dq": ["-DFUSEDATTN_BSB_NO_DQ"],
           "no dq, turns": ["-DFUSEDATTN_BSB_NO_DQ", "-DFUSEDATTN_BSB_TURNS"]}
@@ -62,6 +63,7 @@ def compile_builds(work: str, builds: dict) -> dict:
     # (sm_90a code only: setmaxnreg and wgmma have no compute_90 form)
     common = ["nvcc", "-std=c++17", "-O3", "-gencode", "arch=compute_90a,code=sm_90a",
               "--expt-relaxed-constexpr", "-Xptxas", "-v", "-shared", "-Xcompiler", "-fPIC",
+              "-I", os.path.join(ROOT, "csrc", "common"),
               "-isystem", jax.ffi.include_dir(), "-isystem", _cutlass_include(), *pybind,
               os.path.join(SOURCES, "ffi.cu")]
 

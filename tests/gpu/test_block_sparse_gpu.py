@@ -12,6 +12,7 @@ from support.block_sparse_cases import (FAMILIES, PACKED, SCORE_VALUE_MODS, bloc
                                         check_packed, dense_visibility, doc_ids, in_layout,
                                         oracle, packed_case, rel_error, score_value_args)
 from fusedattn import block_sparse as bs
+from fusedattn.block_sparse import kernel_bwd_fused
 from fusedattn.block_sparse.attention import (block_sparse_attention,
                                               block_sparse_attention_with_lse,
                                               choose_implementation)
@@ -27,17 +28,24 @@ def _inputs(h, h_kv, d, dtype, seed=0, s=S):
             for kk, hh in zip(keys, (h, h_kv, h_kv, h))]
 
 
-def _gradients(q, k, v, do, bm, score_mod=None, unseen_rows="zero"):
-    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(
-        block_sparse_attention(q, k, v, bm, score_mod=score_mod, unseen_rows=unseen_rows)
-        .astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))(q, k, v)
+def _gradients(q, k, v, do, bm, score_mod=None, unseen_rows="zero", deterministic=False,
+               lower=False):
+    fn = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+        block_sparse_attention(q, k, v, bm, score_mod=score_mod, unseen_rows=unseen_rows,
+                               deterministic=deterministic)
+        .astype(jnp.float32) * do.astype(jnp.float32)), argnums=(0, 1, 2)))
+    return fn.lower(q, k, v).as_text() if lower else fn(q, k, v)
 
 
 def _check(family, h, h_kv, d, dtype, score_mod=None, s=S, unseen_rows="zero"):
     q, k, v, do = _inputs(h, h_kv, d, dtype, s=s)
     if choose_implementation(q) != "mosaic":
         pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
-    bm = block_map(family, B, h, s)
+    _check_map(block_map(family, B, h, s), q, k, v, do, score_mod, unseen_rows)
+
+
+def _check_map(bm, q, k, v, do, score_mod=None, unseen_rows="zero"):
+    h, s, d = q.shape[2], q.shape[1], q.shape[3]
     out, lse = jax.jit(lambda q, k, v: block_sparse_attention_with_lse(
         q, k, v, bm, score_mod=score_mod, unseen_rows=unseen_rows))(q, k, v)
     grads = _gradients(q, k, v, do, bm, score_mod, unseen_rows)
@@ -134,14 +142,47 @@ def test_unseen_rows_under_a_device_flag(cut):
 
 @pytest.mark.parametrize("family", ["causal", "documents", "random_dense"])
 def test_backward_is_deterministic(family):
-    """dq and dk / dv walk their own lists with no atomics: the same bits run after run."""
+    """With deterministic=True dq and dk / dv walk their own lists with no atomics (the
+    documents kernel's backward too): the same bits run after run."""
     q, k, v, do = _inputs(4, 2, 128, jnp.bfloat16)
     if choose_implementation(q) != "mosaic":
         pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
     bm = block_map(family, B, 4, S)
-    first, second = (_gradients(q, k, v, do, bm) for _ in range(2))
+    assert kernel_bwd_fused.TARGET not in _gradients(q, k, v, do, bm, deterministic=True,
+                                                     lower=True)
+    first, second = (_gradients(q, k, v, do, bm, deterministic=True) for _ in range(2))
     for a, b in zip(first, second):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def _documents_map(case, s):
+    ids = jnp.asarray(doc_ids(B, s, [s // 8, s // 4, s // 8 + 40]))
+    if case == "segment ids":
+        return bs.from_segment_ids(ids)
+    if case == "segment ids with padding":   # (whole rows of padding: unseen, 0)
+        return bs.from_segment_ids(jnp.where(ids % 3 == 0, 0, ids), pad_id=0)
+    # flex's documents mask_mod and its padding test, the ids read as an array
+    return bs.block_map(lambda b_, h_, i, j, d: (d[b_, i] == d[b_, j]) & (d[b_, i] % 3 != 0),
+                        B, 4, s, s, args=(ids,))
+
+
+@pytest.mark.parametrize("case", ["segment ids", "segment ids with padding",
+                                  "mask_mod over ids with a padding test"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("s", [S, 300])
+def test_documents_backward_runs_the_fused_kernel(case, dtype, s):
+    """A documents mask alone takes the backward of one kernel (`kernel_bwd_fused`):
+    against the float64 oracle, GQA, lengths past a block boundary, padding."""
+    q, k, v, do = _inputs(4, 2, 128, dtype, s=s)
+    if choose_implementation(q) != "mosaic":
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
+    why = kernel_bwd_fused.reason(q, seq_first=False, implementation="mosaic")
+    if why is not None:   # the one refusal expected: an extension built without CUTLASS
+        assert "was built without" in why, why
+        pytest.skip(why)
+    bm = _documents_map(case, s)
+    assert kernel_bwd_fused.TARGET in _gradients(q, k, v, do, bm, lower=True)
+    _check_map(bm, q, k, v, do)
 
 
 @pytest.mark.parametrize("family", ["sliding_window", "documents", "random_dense"])

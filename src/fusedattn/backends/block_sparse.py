@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import block_sparse, partitioning
-from ..block_sparse import builtin, recognise
+from ..block_sparse import builtin, kernel_bwd_fused, recognise
 from ..block_sparse.attention import (block_sparse_attention_backward,
                                       block_sparse_attention_with_lse, on_hopper)
 from ..block_sparse.builders import from_element
@@ -277,6 +277,9 @@ class BlockSparseBackend(native_op.NativeBackend):
         return why
 
     def details(self, config: AttnConfig) -> str:
+        return self._map_details(config) + "; " + backward_note(config)
+
+    def _map_details(self, config: AttnConfig) -> str:
         if static(config):
             return block_map(config).describe()
         sources = []
@@ -335,7 +338,8 @@ class BlockSparseBackend(native_op.NativeBackend):
         primal = (inputs.q, inputs.k, inputs.v, floats)  # each gradient typed as its array
 
         def attend(*args, **kw):
-            dq, dk, dv, d_args = block_sparse_attention_backward(*args, **kw)
+            dq, dk, dv, d_args = block_sparse_attention_backward(
+                *args, deterministic=config.deterministic, **kw)
             # (without the segments' positions `in_segments` appended)
             return (*pack_like_inputs(config, dq, dk, dv), d_args[:len(floats)])
         dq, dk, dv, d_args = self._run(
@@ -349,6 +353,28 @@ class BlockSparseBackend(native_op.NativeBackend):
         no gradient flows through it)."""
         self.require(config)
         return native_op.attention(self.name, config, inputs, need_lse=True)
+
+
+def backward_note(config: AttnConfig) -> str:
+    """Which kernels the backward runs: `kernel_bwd_fused` where the map's mask is a
+    documents mask alone and the call allows it, else the dq and dk / dv kernels."""
+    why = [text for text, bad in (
+        ("a score_mod", parts(config)[1] is not None),
+        ("unseen rows given the mean of v", config.unseen_rows != "zero"),
+        ("deterministic=True (it adds dq with atomics)", config.deterministic),
+        ("a dense mask, causal, a window or packed segments",
+         config.has_dense_mask or config.causal or bool(config.window) or config.is_packed),
+        ("sbhd", config.layout != "bshd"),
+        ("s_q != s_kv", config.s_q != config.s_kv))
+        if bad]
+    if not why:
+        why = [w for w in (kernel_bwd_fused.reason(
+            jax.ShapeDtypeStruct((1, 1, 1, config.d_qk), jnp.dtype(config.dtype)),
+            seq_first=False, implementation="mosaic" if on_hopper() else "reference"),) if w]
+    if why:
+        return f"backward: the dq and dk / dv kernels (the fused documents kernel: {'; '.join(why)})"
+    return ("backward: one fused kernel where the map's mask is documents alone "
+            "(not reproducible bit for bit), else the dq and dk / dv kernels")
 
 
 # A shard's kernels see its own batch and head numbers; its mask_mod and score_mod get

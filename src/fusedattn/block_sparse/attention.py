@@ -1,8 +1,9 @@
 """`block_sparse_attention`: attention that runs only the blocks a `BlockMap` lists.
 
-On Hopper GPUs the Mosaic GPU kernels (`kernel_fwd`, `kernel_bwd`) run it;
-elsewhere (and with ``implementation="reference"``) the same list walks in plain
-JAX (`reference`). Both save the base-2 log-sum-exp for the backward, which
+On Hopper GPUs the Mosaic GPU kernels (`kernel_fwd`, `kernel_bwd`) run it, and a
+documents mask's backward, where the extension has it and reproducible bits are not
+asked for, one native kernel (`kernel_bwd_fused`); elsewhere (and with
+``implementation="reference"``) the same list walks in plain JAX (`reference`). Both save the base-2 log-sum-exp for the backward, which
 walks the query-major lists for dq and the key-major lists for dk / dv.
 `block_sparse_attention_backward` runs that backward alone, from a forward's
 output and log-sum-exp (the fusedattn backend's two partitioned steps).
@@ -20,8 +21,9 @@ import numpy as np
 from ..inputs import value_mean
 from ..partitioning import (KV_HEADS, KV_TOKENS, LSE_DIMS, Q_HEADS, Q_TOKENS, CallShape,
                             Dims, broadcast_dims, token_dims, typed_like)
-from . import kernel_bwd, kernel_fwd, reference, sharded, unseen_rows as unseen
+from . import kernel_bwd, kernel_bwd_fused, kernel_fwd, reference, sharded, unseen_rows as unseen
 from .block_map import BlockMap
+from .documents import documents
 from .kernel_mask import KernelMask, kernel_mask
 from .kernel_parts import BLOCK, batch_tokens, whole
 from .kernel_score import kernel_score
@@ -40,7 +42,8 @@ PARTITIONED = ("mosaic",)
 def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[float] = None,
                            score_mod: Optional[Callable] = None, score_mod_args=(),
                            implementation: Optional[str] = None, unseen_rows: str = "zero",
-                           layout: str = "bshd", partitioned: bool = True):
+                           layout: str = "bshd", partitioned: bool = True,
+                           deterministic: bool = False):
     """Attention of q ``[b, s_q, h_q, d]`` over k, v ``[b, s_kv, h_kv, d]`` (bshd, or
     with ``layout="sbhd"`` sequence-first ``[s, b, h, d]``, the output too; h_q a
     multiple of h_kv) where `block_map` says which pairs are visible;
@@ -53,19 +56,21 @@ def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[floa
     padding masked. `implementation`: "mosaic", "reference" or None (mosaic on a
     Hopper GPU, else reference). Under a jit whose inputs are sharded over the batch or
     heads each device runs its own shard (`sharded`; ``partitioned=False``: the caller
-    runs this on one device's arrays already)."""
+    runs this on one device's arrays already). ``deterministic=True``: a backward of
+    the same bits run after run (the fused documents kernel adds dq with atomics)."""
     out, _ = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation,
-                   unseen_rows, layout, partitioned)
+                   unseen_rows, layout, partitioned, deterministic)
     return out
 
 
 def block_sparse_attention_with_lse(q, k, v, block_map: BlockMap, *, scale=None,
                                     score_mod=None, score_mod_args=(), implementation=None,
-                                    unseen_rows="zero", layout="bshd", partitioned=True):
+                                    unseen_rows="zero", layout="bshd", partitioned=True,
+                                    deterministic=False):
     """(out, lse): lse is the fp32 natural log-sum-exp ``[b, h_q, s_q]`` (-inf on
     rows with no visible key)."""
     out, lse2 = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation,
-                      unseen_rows, layout, partitioned)
+                      unseen_rows, layout, partitioned, deterministic)
     return out, lse2 * math.log(2.0)
 
 
@@ -87,7 +92,7 @@ def on_hopper() -> bool:
 def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMap, *,
                                     scale=None, score_mod=None, score_mod_args=(),
                                     implementation=None, unseen_rows="zero", layout="bshd",
-                                    partitioned=True):
+                                    partitioned=True, deterministic=False):
     """(dq, dk, dv, d_args) of `block_sparse_attention` at cotangent `d_out`, from the
     forward's `out` and natural `lse` (`block_sparse_attention_with_lse`): the backward
     kernels alone, for a caller that runs the forward and the backward as steps of its
@@ -97,9 +102,10 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
     ``s_q x s_kv`` array)."""
     t = _token_axis(layout)
     s_q, s_kv = q.shape[t], k.shape[t]
-    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, block_map, scale, implementation,
-                                                 layout)
     mean_over, flag = _unseen_rule(unseen_rows, block_map, score_mod is not None, s_kv)
+    fn, scale, impl, (q, k, v), ints, fused = _operands(
+        q, k, v, block_map, scale, implementation, layout,
+        _fused_asked(score_mod, mean_over, deterministic))
     ints += (flag,)
     args = tuple(score_mod_args)
     floats = [i for i, a in enumerate(args) if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
@@ -120,7 +126,7 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
                    constant_values=-jnp.inf)
     out, d_out = (_pad_tokens(x, whole, t) for x in (out, d_out))
     steps = _steps(fn, scale, score_fn[0], impl, mean_over, t == 0, q, k, values, ints,
-                   partitioned)
+                   partitioned, fused)
     dq, dk, dv, _, d_values, _ = _bwd(steps, (q, k, v, values, ints, out, lse2),
                                       (d_out, None))
     d_args = [None] * len(args)
@@ -130,7 +136,7 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
 
 
 def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_rows, layout,
-          partitioned):
+          partitioned, deterministic):
     t = _token_axis(layout)
     s_q, s_kv = q.shape[t], k.shape[t]
     mean_over, flag = _unseen_rule(unseen_rows, bm, score_mod is not None, s_kv)
@@ -138,12 +144,14 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_
     # the padded v fused with its pad ran slower. A constant to the vjp: the backward
     # adds its gradient to dv itself.)
     v_real = None if mean_over is None else jax.lax.stop_gradient(v)
-    fn, scale, impl, (q, k, v), ints = _operands(q, k, v, bm, scale, implementation, layout)
+    fn, scale, impl, (q, k, v), ints, fused = _operands(
+        q, k, v, bm, scale, implementation, layout,
+        _fused_asked(score_mod, mean_over, deterministic))
     score, values = _score(score_mod, score_mod_args, batch_tokens(q, t == 0)[0], q.shape[2],
                            s_q, s_kv)
     ints += (flag,)
     steps = _steps(fn, scale, score, impl, mean_over, t == 0, q, k, values, ints,
-                   partitioned)
+                   partitioned, fused)
     out, lse2 = _attention(steps, q, k, v, v_real, values, ints)
     return _cut(out, s_q, t), lse2[..., :s_q]
 
@@ -161,6 +169,7 @@ class _Steps(NamedTuple):
     # whether the functions read the batch / head number as values (`sharded`: asked
     # only where a split is decided)
     reads: Optional[Callable[[], Tuple[bool, bool]]]
+    fused: bool                # the backward runs `kernel_bwd_fused` (the mask is its words)
 
     def run(self, body, operands, dims):
         """``body(*operands)``, split by `sharded` where the call is partitioned;
@@ -189,7 +198,7 @@ class _Steps(NamedTuple):
 
 
 def _steps(fn, scale, score, impl, mean_over, seq_first, q, k, values, ints,
-           partitioned) -> _Steps:
+           partitioned, fused=False) -> _Steps:
     shape, reads = None, None
     if partitioned and impl in PARTITIONED:
         b, _ = batch_tokens(q, seq_first)
@@ -201,7 +210,7 @@ def _steps(fn, scale, score, impl, mean_over, seq_first, q, k, values, ints,
             sharded.reads_numbers, fn, score, 0 if qa is None else qa.shape[1],
             0 if ka is None else ka.shape[1], dense is not None,
             tuple(0 if x is None else x.shape[2] for x in values)))
-    return _Steps(fn, scale, score, impl, mean_over, seq_first, shape, reads)
+    return _Steps(fn, scale, score, impl, mean_over, seq_first, shape, reads, fused)
 
 
 def _token_axis(layout: str) -> int:
@@ -245,13 +254,28 @@ def _score(score_mod, score_mod_args, batch, heads, s_q, s_kv):
                       _pad_tokens(score.kv_values, whole(s_kv), axis=3), score.d_values)
 
 
-def _operands(q, k, v, bm, scale, implementation, layout):
-    """(mask fn, scale, implementation, padded (q, k, v), the map's int arrays) of a call."""
+def _fused_asked(score_mod, mean_over, deterministic: bool) -> bool:
+    """Whether a call's options leave the fused backward possible (the mask and the
+    arrays decide the rest: `_operands`)."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    return score_mod is None and mean_over is None and not deterministic
+
+
+def _operands(q, k, v, bm, scale, implementation, layout, fused_asked=False):
+    """(mask fn, scale, implementation, padded (q, k, v), the map's int arrays, whether
+    the backward runs `kernel_bwd_fused`) of a call."""
     t = _token_axis(layout)
     _check(q, k, v, bm, t)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = choose_implementation(q, implementation)
-    km = _padded(kernel_mask(bm.element), bm.s_q, bm.s_kv)
+    docs = _fused_documents(bm, q, t, impl) if fused_asked else None
+    if docs is not None:   # (the Mosaic forward reads the same words)
+        km = KernelMask(*kernel_bwd_fused.words(docs, bm.s_q, bm.s_kv), None,
+                        kernel_bwd_fused.visible)
+    else:
+        km = kernel_mask(bm.element)
+    km = _padded(km, bm.s_q, bm.s_kv)
     # Lengths past a block boundary: the arrays padded to whole blocks (the map already
     # has the blocks; the key padding is masked in the last block, which is never full,
     # and the padded rows' outputs are cut off, so their cotangent is 0).
@@ -261,7 +285,18 @@ def _operands(q, k, v, bm, scale, implementation, layout):
     bwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
     return km.fn, scale, impl, (q, k, v), (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays,
-                                           km.dense)
+                                           km.dense), docs is not None
+
+
+def _fused_documents(bm: BlockMap, q, t: int, impl: str):
+    """The map's documents (`documents`) where the fused backward takes the call, else
+    None: a documents mask alone, with no factor of positions."""
+    terms = bm.element.terms
+    docs = documents(terms[0], bm.element) if len(terms) == 1 else None
+    if docs is None or docs.positions is not None:
+        return None
+    why = kernel_bwd_fused.reason(q, seq_first=t == 0, implementation=impl, s_kv=bm.s_kv)
+    return docs if why is None else None
 
 
 def _pad_tokens(x, size: int, axis: int = 1):
@@ -351,7 +386,11 @@ def _bwd(steps: _Steps, res, cts):
             dv_add = unseen.gated_token_sum(_bshd(do, seq_first), flag, lse2,
                                             kernel=impl == "mosaic" and not seq_first
                                             ) / steps.mean_over
-        if impl == "mosaic":
+        if steps.fused:
+            dq, dk, dv = kernel_bwd_fused.backward(q, k, v, do, lse_delta, bwd_lists, qa, ka,
+                                                   scale=steps.scale)
+            d_q_values = d_d_values = d_kv_values = None
+        elif impl == "mosaic":
             dq, d_q_values, d_d_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km,
                                                        seq_first=seq_first, **kw)
             dk, dv, d_kv_values = kernel_bwd.dkv(q, k, v, do, lse_delta, bwd_lists, km,

@@ -1,7 +1,8 @@
 // The XLA FFI handler of the CuTe block-sparse backward (kernel.cuh): checks the
 // buffers, makes the TMA descriptors, zeroes the f32 dq buffer and launches on XLA's
-// stream. Compiled on its own into a shared object by benchmarks/tune/cute_bsa_bwd.py
-// (a route measurement, not part of the package), with -D switches that leave parts out.
+// stream. Built for sm_90a into the CUDA extension as `fusedattn_block_sparse_bwd`
+// (cmake/fusedattn_cuda.cmake, where the CUTLASS headers are found), and on its own,
+// with the kernel's -D measurement switches, by benchmarks/tune/cute_bsa_bwd.py.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -11,6 +12,7 @@
 #include "xla/ffi/api/ffi.h"
 
 #include "kernel.cuh"
+#include "module_registry.h"
 
 namespace ffi = xla::ffi;
 
@@ -162,3 +164,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnBlockSparseBwd, ::fusedattn::block_sparse
                                   .Attr<bool>("causal")
                                   .Attr<int32_t>("s_kv_real"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+FUSEDATTN_MODULE_INIT(block_sparse_bwd) {
+  pybind11::dict targets = m.attr("ffi_targets");
+  targets["fusedattn_block_sparse_bwd"] = ::fusedattn::ffi_capsule(FusedattnBlockSparseBwd);
+}

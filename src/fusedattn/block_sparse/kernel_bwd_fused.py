@@ -1,0 +1,76 @@
+"""The block-sparse backward of one native kernel for documents masks (Hopper):
+`csrc/cuda/block_sparse_bwd`, CuTe with wgmma and TMA, five products a tile where
+the two Mosaic GPU kernels (`kernel_bwd`) take seven. It walks the key-major lists
+and adds dq in f32 with TMA reductions, so it is not bitwise reproducible:
+``deterministic=True`` keeps the Mosaic kernels.
+
+It serves maps whose element mask is a documents mask alone (ids equal, both tokens
+valid: `documents`), with no score_mod and no mean for unseen rows, d 128, bf16 or
+fp16, bshd, s_q == s_kv, on an extension built with it (the CUTLASS headers at build
+time). The
+mask reaches it, and the Mosaic kernels beside it, as two int32 rows per token
+(`words`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..backends import extension
+from .documents import Documents
+from .kernel_parts import whole
+
+TARGET = "fusedattn_block_sparse_bwd"
+
+
+def reason(q, *, seq_first: bool, implementation: str, s_kv: Optional[int] = None
+           ) -> Optional[str]:
+    """None when a call of these arrays (q, and keys of length `s_kv`: None, q's) can
+    take the kernel (mask aside), else why not."""
+    if implementation != "mosaic":
+        return "the Mosaic GPU kernels do not run here (it runs beside them, on Hopper)"
+    if q.shape[-1] != 128 or q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"it takes d 128 in bf16 or fp16, got d {q.shape[-1]} in {q.dtype}"
+    if seq_first:
+        return "it reads bshd arrays, not sbhd"
+    if s_kv is not None and s_kv != q.shape[1]:
+        # (the kernel takes them, but has not been checked against the oracle there)
+        return f"it runs s_q == s_kv, got {q.shape[1]} queries and {s_kv} keys"
+    return extension.ensure_targets([TARGET])
+
+
+def words(docs: Documents, s_q: int, s_kv: int):
+    """(q_words, kv_words): int32 ``[B|1, 2, whole s]``, the id and 1 / 0 for valid per
+    token, the tokens past the real length invalid; both on one batch (the kernel
+    reads them with one stride)."""
+    batch = docs.batch
+
+    def one(ids, valid, s):
+        ids = jnp.asarray(ids, jnp.int32)
+        ok = jnp.ones_like(ids) if valid is None else jnp.asarray(valid).astype(jnp.int32)
+        ids, ok = jnp.broadcast_arrays(ids, ok)
+        w = jnp.stack([ids, ok], axis=1)
+        w = jnp.broadcast_to(w, (batch,) + w.shape[1:])
+        return jnp.pad(w, ((0, 0), (0, 0), (0, whole(s) - s)))
+    return one(docs.q_ids, docs.q_valid, s_q), one(docs.kv_ids, docs.kv_valid, s_kv)
+
+
+def visible(b, h, q, kv, qv, kvv, d):
+    """The words' element mask, as the kernels' mask functions take it."""
+    return (qv[0] == kvv[0]) & (qv[1] != 0) & (kvv[1] != 0)
+
+
+def backward(q, k, v, do, lse_delta, lists, q_words, kv_words, *, scale: float):
+    """(dq, dk, dv): dq in q's dtype, dk / dv per query head (the caller sums a GQA
+    group). q, k, v, do bshd over whole blocks; `lse_delta` and `lists` (key-major) as
+    the Mosaic kernels take them."""
+    b, s, h, d = q.shape
+    per_head = jax.ShapeDtypeStruct((b, k.shape[1], h, d), q.dtype)
+    dq, dk, dv = jax.ffi.ffi_call(
+        TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32), per_head, per_head))(
+        q, k, v, do, lse_delta, *lists, q_words, kv_words, scale=np.float32(scale),
+        causal=False, s_kv_real=np.int32(k.shape[1]))
+    return (dq * scale).astype(q.dtype), dk, dv

@@ -1,0 +1,82 @@
+"""The fused documents backward's route (`block_sparse.kernel_bwd_fused`) on CPU: the
+words it and the Mosaic kernels read for a documents mask against the mask itself,
+which calls may take it and why the others do not, and what explain() says. Its
+kernel runs against the float64 oracle in tests/gpu/test_block_sparse_gpu.py."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fusedattn
+from fusedattn.block_sparse import kernel_bwd_fused as fused
+from fusedattn.block_sparse import block_sparse_attention
+from fusedattn.block_sparse.documents import Documents
+from support.block_sparse_cases import doc_ids
+
+
+@pytest.mark.parametrize("valid", ["none", "rows", "both"])
+def test_words_give_the_documents_mask_over_whole_blocks(valid):
+    rng = np.random.default_rng(0)
+    s_q, s_kv = 200, 300   # past a block: the padding is invalid
+    q_ids = rng.integers(0, 4, (2, s_q))
+    kv_ids = rng.integers(0, 4, (1, s_kv))
+    q_ok = rng.random((2, s_q)) > 0.2 if valid != "none" else None
+    kv_ok = rng.random((1, s_kv)) > 0.2 if valid == "both" else None
+    qw, kw = fused.words(Documents(q_ids, kv_ids, q_ok, kv_ok), s_q, s_kv)
+    assert qw.dtype == jnp.int32 and kw.dtype == jnp.int32
+    assert qw.shape == (2, 2, 256) and kw.shape == (2, 2, 384)   # one batch for both
+    for b in range(2):
+        got = np.asarray(fused.visible(b, 0, None, None, qw[b][:, :, None], kw[b][:, None, :],
+                                       None))
+        want = np.zeros((256, 384), bool)
+        seen = q_ids[b][:, None] == kv_ids[0][None, :]
+        if q_ok is not None:
+            seen &= q_ok[b][:, None]
+        if kv_ok is not None:
+            seen &= kv_ok[0][None, :]
+        want[:s_q, :s_kv] = seen
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("shape, dtype, seq_first, impl, s_kv, why", [
+    ((1, 128, 1, 64), jnp.bfloat16, False, "mosaic", None, "d 128 in bf16 or fp16"),
+    ((1, 128, 1, 128), jnp.float32, False, "mosaic", None, "d 128 in bf16 or fp16"),
+    ((1, 128, 1, 128), jnp.bfloat16, True, "mosaic", None, "bshd"),
+    ((1, 128, 1, 128), jnp.bfloat16, False, "reference", None, "Mosaic GPU kernels do not run"),
+    ((1, 128, 1, 128), jnp.bfloat16, False, "mosaic", 256, "s_q == s_kv"),
+    # (everything else fits: the extension says why not here)
+    ((1, 128, 1, 128), jnp.float16, False, "mosaic", 128, "no CUDA or ROCm GPU"),
+])
+def test_reason_names_what_keeps_a_call_off_the_kernel(shape, dtype, seq_first, impl, s_kv,
+                                                        why):
+    got = fused.reason(jax.ShapeDtypeStruct(shape, dtype), seq_first=seq_first,
+                       implementation=impl, s_kv=s_kv)
+    assert got is not None and why in got, got
+
+
+def test_deterministic_must_be_a_bool():
+    q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    bm = fusedattn.block_sparse.from_segment_ids(jnp.zeros((1, 128), jnp.int32))
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        block_sparse_attention(q, q, q, bm, deterministic=1)
+
+
+def _same_doc(b, h, i, j, doc):
+    return doc[b, i] == doc[b, j]
+
+
+@pytest.mark.parametrize("options, why", [
+    ({}, "fusedattn._cuda"),   # (the extension, not built here)
+    ({"deterministic": True}, "deterministic=True"),
+    ({"mask": "causal"}, "causal"),
+    ({"score_mod": lambda s, b, h, i, j, doc: s * 0.5}, "a score_mod"),
+])
+def test_explain_says_which_backward_runs(hopper_reference, options, why):
+    q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
+    doc = jnp.asarray(doc_ids(2, 256, [64, 100]))
+    plan = fusedattn.explain(q, q, q, mask_mod=_same_doc, score_mod_args=(doc,), **options)
+    assert plan.chosen == "block_sparse", str(plan)
+    text = str(plan)
+    assert "backward: the dq and dk / dv kernels" in text and why in text, text
