@@ -150,7 +150,11 @@ import importlib.util, os
 spec = importlib.util.find_spec("cutlass_library")
 print(os.path.join(list(spec.submodule_search_locations)[0], "source", "include") if spec else "")
 ]=])
-if(EXISTS "${CUTLASS_INCLUDE}/cute/tensor.hpp")
+# (its FFI handler finds cuTensorMapEncodeTiled through the runtime, CUDA 12.5 on)
+if(CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.5)
+  message(STATUS "fusedattn: the block-sparse backward kernel skipped: it needs CUDA 12.5 "
+                 "or later, nvcc is ${CMAKE_CUDA_COMPILER_VERSION}")
+elseif(EXISTS "${CUTLASS_INCLUDE}/cute/tensor.hpp")
   add_library(_block_sparse_bwd OBJECT
               "${CMAKE_CURRENT_SOURCE_DIR}/csrc/cuda/block_sparse_bwd/ffi.cu")
   # (arch flags of its own: the extension's list holds architectures without wgmma)

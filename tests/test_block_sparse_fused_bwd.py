@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import fusedattn
+from fusedattn import block_sparse as bs
 from fusedattn.block_sparse import kernel_bwd_fused as fused
 from fusedattn.block_sparse import block_sparse_attention
 from fusedattn.block_sparse.documents import Documents
@@ -46,13 +47,18 @@ def test_words_give_the_documents_mask_over_whole_blocks(valid):
     ((1, 128, 1, 128), jnp.bfloat16, True, "mosaic", None, "bshd"),
     ((1, 128, 1, 128), jnp.bfloat16, False, "reference", None, "Mosaic GPU kernels do not run"),
     ((1, 128, 1, 128), jnp.bfloat16, False, "mosaic", 256, "s_q == s_kv"),
-    # (everything else fits: the extension says why not here)
-    ((1, 128, 1, 128), jnp.float16, False, "mosaic", 128, "no CUDA or ROCm GPU"),
+    ((1, 128, 1, 128), jnp.bfloat16, False, "mosaic", 128, "one dtype"),
+    # (everything else fits: the extension's answer)
+    ((1, 128, 1, 128), jnp.float16, False, "mosaic", 128, "the extension's answer"),
 ])
-def test_reason_names_what_keeps_a_call_off_the_kernel(shape, dtype, seq_first, impl, s_kv,
-                                                        why):
+def test_reason_names_what_keeps_a_call_off_the_kernel(monkeypatch, shape, dtype, seq_first,
+                                                        impl, s_kv, why):
+    monkeypatch.setattr(fused.extension, "ensure_targets",
+                        lambda names: "the extension's answer" if list(names) == [fused.TARGET]
+                        else None)
+    kv = (jnp.float16,) if why == "one dtype" else (dtype, dtype)
     got = fused.reason(jax.ShapeDtypeStruct(shape, dtype), seq_first=seq_first,
-                       implementation=impl, s_kv=s_kv)
+                       implementation=impl, s_kv=s_kv, kv_dtypes=kv)
     assert got is not None and why in got, got
 
 
@@ -68,7 +74,7 @@ def _same_doc(b, h, i, j, doc):
 
 
 @pytest.mark.parametrize("options, why", [
-    ({}, "fusedattn._cuda"),   # (the extension, not built here)
+    ({}, "Mosaic GPU kernels do not run"),   # (the kernels run as the reference walks)
     ({"deterministic": True}, "deterministic=True"),
     ({"mask": "causal"}, "causal"),
     ({"score_mod": lambda s, b, h, i, j, doc: s * 0.5}, "a score_mod"),
@@ -80,3 +86,33 @@ def test_explain_says_which_backward_runs(hopper_reference, options, why):
     assert plan.chosen == "block_sparse", str(plan)
     text = str(plan)
     assert "backward: the dq and dk / dv kernels" in text and why in text, text
+
+
+def _maps(case, b, s):
+    ids = jnp.asarray(doc_ids(b, s, [40, 90, 30]))
+    if case == "ids":
+        return bs.from_segment_ids(jnp.stack([jnp.roll(ids[i], 37 * i) for i in range(b)]))
+    if case == "ids with padding":
+        return bs.from_segment_ids(jnp.where(ids % 3 == 0, 0, ids), pad_id=0)
+    if case == "ids of one row":
+        return bs.from_segment_ids(ids[:1])
+    return bs.block_map(lambda b_, h_, i, j, d: (d[b_, i] == d[b_, j]) & (d[b_, i] % 3 != 0),
+                        b, 2, s, s, args=(ids,))
+
+
+@pytest.mark.parametrize("case", ["ids", "ids with padding", "ids of one row", "mask_mod"])
+def test_the_forward_reads_the_words_as_the_mask(monkeypatch, case):
+    """With the route taken (the kernel's presence faked; the reference walks run), the
+    forward's mask is the words: the same output as with the map's own element mask."""
+    b, s = 2, 300
+    q, k, v = (jax.random.normal(key, (b, s, 2, 128), jnp.bfloat16)
+               for key in jax.random.split(jax.random.key(1), 3))
+    bm = _maps(case, b, s)
+    want = block_sparse_attention(q, k, v, bm, implementation="reference")
+    monkeypatch.setattr(fused, "reason", lambda *a, **kw: None)
+    words = []
+    monkeypatch.setattr(fused, "words", lambda *a, real=fused.words: words.append(1) or real(*a))
+    got = block_sparse_attention(q, k, v, bm, implementation="reference")
+    assert words, "the route was not taken"
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-6, atol=1e-6)

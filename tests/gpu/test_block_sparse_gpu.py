@@ -44,11 +44,11 @@ def _check(family, h, h_kv, d, dtype, score_mod=None, s=S, unseen_rows="zero"):
     _check_map(block_map(family, B, h, s), q, k, v, do, score_mod, unseen_rows)
 
 
-def _check_map(bm, q, k, v, do, score_mod=None, unseen_rows="zero"):
+def _check_map(bm, q, k, v, do, score_mod=None, unseen_rows="zero", deterministic=False):
     h, s, d = q.shape[2], q.shape[1], q.shape[3]
     out, lse = jax.jit(lambda q, k, v: block_sparse_attention_with_lse(
         q, k, v, bm, score_mod=score_mod, unseen_rows=unseen_rows))(q, k, v)
-    grads = _gradients(q, k, v, do, bm, score_mod, unseen_rows)
+    grads = _gradients(q, k, v, do, bm, score_mod, unseen_rows, deterministic)
     ref_out, ref_lse, ref_grads = oracle(q, k, v, dense_visibility(bm, B, h, s), d ** -0.5,
                                          score_mod, do, unseen_rows=unseen_rows)
     lse = np.asarray(lse)
@@ -159,6 +159,10 @@ def _documents_map(case, s):
     ids = jnp.asarray(doc_ids(B, s, [s // 8, s // 4, s // 8 + 40]))
     if case == "segment ids":
         return bs.from_segment_ids(ids)
+    if case == "segment ids differing by row":   # (each row its own words and lists)
+        return bs.from_segment_ids(jnp.stack([jnp.roll(ids[i], 37 * i) for i in range(B)]))
+    if case == "segment ids of one row for every row":
+        return bs.from_segment_ids(ids[:1])
     if case == "segment ids with padding":   # (whole rows of padding: unseen, 0)
         return bs.from_segment_ids(jnp.where(ids % 3 == 0, 0, ids), pad_id=0)
     # flex's documents mask_mod and its padding test, the ids read as an array
@@ -166,7 +170,9 @@ def _documents_map(case, s):
                         B, 4, s, s, args=(ids,))
 
 
-@pytest.mark.parametrize("case", ["segment ids", "segment ids with padding",
+@pytest.mark.parametrize("case", ["segment ids", "segment ids differing by row",
+                                  "segment ids of one row for every row",
+                                  "segment ids with padding",
                                   "mask_mod over ids with a padding test"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("s", [S, 300])
@@ -183,6 +189,7 @@ def test_documents_backward_runs_the_fused_kernel(case, dtype, s):
     bm = _documents_map(case, s)
     assert kernel_bwd_fused.TARGET in _gradients(q, k, v, do, bm, lower=True)
     _check_map(bm, q, k, v, do)
+    _check_map(bm, q, k, v, do, deterministic=True)   # (the Mosaic kernels, same mask)
 
 
 @pytest.mark.parametrize("family", ["sliding_window", "documents", "random_dense"])

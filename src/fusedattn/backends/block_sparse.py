@@ -277,7 +277,8 @@ class BlockSparseBackend(native_op.NativeBackend):
         return why
 
     def details(self, config: AttnConfig) -> str:
-        return self._map_details(config) + "; " + backward_note(config)
+        impl = self.implementation() if on_hopper() else "reference"
+        return self._map_details(config) + "; " + backward_note(config, impl)
 
     def _map_details(self, config: AttnConfig) -> str:
         if static(config):
@@ -355,24 +356,28 @@ class BlockSparseBackend(native_op.NativeBackend):
         return native_op.attention(self.name, config, inputs, need_lse=True)
 
 
-def backward_note(config: AttnConfig) -> str:
+def backward_note(config: AttnConfig, implementation: str) -> str:
     """Which kernels the backward runs: `kernel_bwd_fused` where the map's mask is a
-    documents mask alone and the call allows it, else the dq and dk / dv kernels."""
+    documents mask alone and the call allows it, else the dq and dk / dv kernels (or
+    the reference walks: `implementation`)."""
     why = [text for text, bad in (
         ("a score_mod", parts(config)[1] is not None),
         ("unseen rows given the mean of v", config.unseen_rows != "zero"),
         ("deterministic=True (it adds dq with atomics)", config.deterministic),
-        ("a dense mask, causal, a window or packed segments",
-         config.has_dense_mask or config.causal or bool(config.window) or config.is_packed),
+        ("a dense mask, causal, a window, padding lengths or packed segments",
+         config.has_dense_mask or config.causal or bool(config.window) or config.is_padded
+         or config.is_packed),
         ("sbhd", config.layout != "bshd"),
         ("s_q != s_kv", config.s_q != config.s_kv))
         if bad]
     if not why:
-        why = [w for w in (kernel_bwd_fused.reason(
+        arrays = kernel_bwd_fused.reason(
             jax.ShapeDtypeStruct((1, 1, 1, config.d_qk), jnp.dtype(config.dtype)),
-            seq_first=False, implementation="mosaic" if on_hopper() else "reference"),) if w]
+            seq_first=False, implementation=implementation)
+        why = [arrays] if arrays else []
     if why:
-        return f"backward: the dq and dk / dv kernels (the fused documents kernel: {'; '.join(why)})"
+        return ("backward: the dq and dk / dv kernels (the fused documents kernel: "
+                f"{'; '.join(why)})")
     return ("backward: one fused kernel where the map's mask is documents alone "
             "(not reproducible bit for bit), else the dq and dk / dv kernels")
 

@@ -3,8 +3,9 @@
 On Hopper GPUs the Mosaic GPU kernels (`kernel_fwd`, `kernel_bwd`) run it, and a
 documents mask's backward, where the extension has it and reproducible bits are not
 asked for, one native kernel (`kernel_bwd_fused`); elsewhere (and with
-``implementation="reference"``) the same list walks in plain JAX (`reference`). Both save the base-2 log-sum-exp for the backward, which
-walks the query-major lists for dq and the key-major lists for dk / dv.
+``implementation="reference"``) the same list walks in plain JAX (`reference`). Both
+save the base-2 log-sum-exp for the backward, which walks the query-major lists for dq
+and the key-major lists for dk / dv.
 `block_sparse_attention_backward` runs that backward alone, from a forward's
 output and log-sum-exp (the fusedattn backend's two partitioned steps).
 """
@@ -269,7 +270,7 @@ def _operands(q, k, v, bm, scale, implementation, layout, fused_asked=False):
     _check(q, k, v, bm, t)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = choose_implementation(q, implementation)
-    docs = _fused_documents(bm, q, t, impl) if fused_asked else None
+    docs = _fused_documents(bm, q, (k.dtype, v.dtype), t, impl) if fused_asked else None
     if docs is not None:   # (the Mosaic forward reads the same words)
         km = KernelMask(*kernel_bwd_fused.words(docs, bm.s_q, bm.s_kv), None,
                         kernel_bwd_fused.visible)
@@ -288,14 +289,15 @@ def _operands(q, k, v, bm, scale, implementation, layout, fused_asked=False):
                                            km.dense), docs is not None
 
 
-def _fused_documents(bm: BlockMap, q, t: int, impl: str):
+def _fused_documents(bm: BlockMap, q, kv_dtypes, t: int, impl: str):
     """The map's documents (`documents`) where the fused backward takes the call, else
     None: a documents mask alone, with no factor of positions."""
     terms = bm.element.terms
     docs = documents(terms[0], bm.element) if len(terms) == 1 else None
     if docs is None or docs.positions is not None:
         return None
-    why = kernel_bwd_fused.reason(q, seq_first=t == 0, implementation=impl, s_kv=bm.s_kv)
+    why = kernel_bwd_fused.reason(q, seq_first=t == 0, implementation=impl, s_kv=bm.s_kv,
+                                  kv_dtypes=kv_dtypes)
     return docs if why is None else None
 
 

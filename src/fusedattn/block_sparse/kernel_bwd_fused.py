@@ -7,9 +7,8 @@ and adds dq in f32 with TMA reductions, so it is not bitwise reproducible:
 It serves maps whose element mask is a documents mask alone (ids equal, both tokens
 valid: `documents`), with no score_mod and no mean for unseen rows, d 128, bf16 or
 fp16, bshd, s_q == s_kv, on an extension built with it (the CUTLASS headers at build
-time). The
-mask reaches it, and the Mosaic kernels beside it, as two int32 rows per token
-(`words`).
+time). The mask reaches it, and the Mosaic kernels beside it, as two int32 rows per
+token (`words`).
 """
 from __future__ import annotations
 
@@ -26,14 +25,16 @@ from .kernel_parts import whole
 TARGET = "fusedattn_block_sparse_bwd"
 
 
-def reason(q, *, seq_first: bool, implementation: str, s_kv: Optional[int] = None
-           ) -> Optional[str]:
-    """None when a call of these arrays (q, and keys of length `s_kv`: None, q's) can
-    take the kernel (mask aside), else why not."""
+def reason(q, *, seq_first: bool, implementation: str, s_kv: Optional[int] = None,
+           kv_dtypes=()) -> Optional[str]:
+    """None when a call of these arrays (q, keys of length `s_kv`: None, q's, and k / v
+    of `kv_dtypes`) can take the kernel (mask aside), else why not."""
     if implementation != "mosaic":
         return "the Mosaic GPU kernels do not run here (it runs beside them, on Hopper)"
     if q.shape[-1] != 128 or q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it takes d 128 in bf16 or fp16, got d {q.shape[-1]} in {q.dtype}"
+    if any(t != q.dtype for t in kv_dtypes):
+        return f"it takes q, k and v of one dtype, got {q.dtype} and {list(kv_dtypes)}"
     if seq_first:
         return "it reads bshd arrays, not sbhd"
     if s_kv is not None and s_kv != q.shape[1]:
@@ -70,7 +71,8 @@ def backward(q, k, v, do, lse_delta, lists, q_words, kv_words, *, scale: float):
     b, s, h, d = q.shape
     per_head = jax.ShapeDtypeStruct((b, k.shape[1], h, d), q.dtype)
     dq, dk, dv = jax.ffi.ffi_call(
-        TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32), per_head, per_head))(
+        TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32), per_head, per_head),
+        vmap_method="sequential")(
         q, k, v, do, lse_delta, *lists, q_words, kv_words, scale=np.float32(scale),
         causal=False, s_kv_real=np.int32(k.shape[1]))
     return (dq * scale).astype(q.dtype), dk, dv
