@@ -23,8 +23,8 @@ jnp.equal)`` does (it runs as a mask_mod over the ids, `tracing.mask_program`).
 "documents" is flex_attention's documents mask_mod, ``ids[b, q] == ids[b, kv]``, through
 `fused_attn` (ids in any order: a block map, its ids counted per block);
 "documents:deterministic" asks for a backward of the same bits run after run
-(the Mosaic dq and dk / dv kernels; without it a documents mask's backward is one
-kernel that adds dq with atomics, `block_sparse.kernel_bwd_fused`);
+(the Mosaic dq and dk / dv kernels; without it a documents or dense mask's backward
+is one kernel that adds dq with atomics, `block_sparse.kernel_bwd_fused`);
 "documents:segment_ids" builds the same map with `block_sparse.from_segment_ids` and
 calls the kernels by name; "documents:sbhd" gives the mask_mod sequence-first q, k, v
 and dO (``layout="sbhd"``, which the kernels read in place); "documents_causal" is flex's

@@ -1,7 +1,8 @@
-"""The fused documents backward's route (`block_sparse.kernel_bwd_fused`) on CPU: the
-words it and the Mosaic kernels read for a documents mask against the mask itself,
-which calls may take it and why the others do not, and what explain() says. Its
-kernel runs against the float64 oracle in tests/gpu/test_block_sparse_gpu.py."""
+"""The fused backward's route (`block_sparse.kernel_bwd_fused`) on CPU: the words it
+and the Mosaic kernels read for a documents mask against the mask itself, which calls
+may take it and why the others do not, the arrays a dense mask's call hands it, and
+what explain() says. Its kernel runs against the float64 oracle in
+tests/gpu/test_block_sparse_gpu.py."""
 from __future__ import annotations
 
 import jax
@@ -14,6 +15,7 @@ from fusedattn import block_sparse as bs
 from fusedattn.block_sparse import kernel_bwd_fused as fused
 from fusedattn.block_sparse import block_sparse_attention
 from fusedattn.block_sparse.documents import Documents
+from fusedattn.block_sparse.kernel_mask import pack_bits
 from support.block_sparse_cases import doc_ids
 
 
@@ -116,3 +118,52 @@ def test_the_forward_reads_the_words_as_the_mask(monkeypatch, case):
     assert words, "the route was not taken"
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_explain_names_the_dense_masks_bits(hopper_reference, monkeypatch):
+    """jax.nn's drop-in with a dense mask: the fused kernel reads its bits (the
+    extension's presence faked), unless a built-in causal mask joins it."""
+    monkeypatch.setattr(fused, "reason", lambda *a, **kw: None)
+    q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
+    ids = doc_ids(2, 256, [64, 100])
+    mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
+    text = str(fusedattn.jax_nn.explain(q, q, q, mask=mask))
+    assert "backward: one fused kernel reading the dense mask's bits" in text, text
+    text = str(fusedattn.jax_nn.explain(q, q, q, mask=mask, is_causal=True))
+    assert "backward: the dq and dk / dv kernels" in text and "causal" in text, text
+
+
+@pytest.mark.parametrize("unseen", [False, True])
+def test_a_dense_mask_hands_the_kernel_its_bits(monkeypatch, unseen):
+    """With the route taken (the kernel's presence faked), a dense mask alone reaches the
+    kernel as its packed bits and no words; with jax.nn's rule for rows that see no key,
+    their mean's gradient (dO summed over those rows over the keys) as dv_add. The
+    kernel is stood in for by one that records what it gets."""
+    b, s, h = 2, 300, 2
+    q, k, v, do = (jax.random.normal(key, (b, s, h, 128), jnp.bfloat16)
+                   for key in jax.random.split(jax.random.key(2), 4))
+    ids = doc_ids(b, s, [40, 90, 30])
+    mask = np.broadcast_to(ids[:, None, :, None] == ids[:, None, None, :], (b, h, s, s)).copy()
+    if unseen:
+        mask[:, :, 7] = False
+    bm = bs.from_dense_mask(jnp.asarray(mask))
+    seen = {}
+
+    def kernel(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *, scale):
+        seen.update(q_words=q_words, kv_words=kv_words, bits=bits, dv_add=dv_add)
+        return (jnp.zeros_like(q), jnp.zeros((*k.shape[:2], q.shape[2], 128), q.dtype),
+                jnp.zeros((*k.shape[:2], q.shape[2], 128), q.dtype))
+    monkeypatch.setattr(fused, "reason", lambda *a, **kw: None)
+    monkeypatch.setattr(fused, "backward", kernel)
+    _, vjp = jax.vjp(lambda q, k, v: block_sparse_attention(
+        q, k, v, bm, implementation="reference", unseen_rows="mean"), q, k, v)
+    vjp(do)
+    assert seen["q_words"] is None and seen["kv_words"] is None
+    np.testing.assert_array_equal(np.asarray(seen["bits"]),
+                                  np.asarray(pack_bits(jnp.asarray(mask), 384, 384)))
+    if not unseen:
+        # (no row unseen: the device flag leaves the sum at 0)
+        assert seen["dv_add"] is None or not np.any(np.asarray(seen["dv_add"]))
+        return
+    want = np.asarray(do, np.float64)[:, 7] / s   # [b, h, d]: row 7 sees no key
+    np.testing.assert_allclose(np.asarray(seen["dv_add"]), want, rtol=1e-5, atol=1e-6)

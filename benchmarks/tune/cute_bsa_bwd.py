@@ -44,6 +44,8 @@ B, S, H, D = 4, 4096, 16, 128
 DOCS = (512, 1024, 512, 2048)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SOURCES = os.path.join(ROOT, "csrc", "cuda", "block_sparse_bwd")
+# The kernel's other mask (a dense mask's bits) and its dv addend, both absent here.
+NO_BITS, NO_ADD = np.zeros((0,), np.int32), np.zeros((0,), np.float32)
 BUILDS = {"whole kernel": [], "whole kernel, split wait": ["-DFUSEDATTN_BSB_SPLIT_WAIT"],
           "no dq": ["-DFUSEDATTN_BSB_NO_DQ"],
           "no dq, turns": ["-DFUSEDATTN_BSB_NO_DQ", "-DFUSEDATTN_BSB_TURNS"]}
@@ -173,7 +175,8 @@ def main():
                     dq, dk, dv = jax.ffi.ffi_call(
                         target, (jax.ShapeDtypeStruct((B, S, H, D), jnp.float32), per_head,
                                  per_head))(
-                        q, k, v, do, lse_delta, *by_kv, words, words, scale=np.float32(scale),
+                        q, k, v, do, lse_delta, *by_kv, words, words, NO_BITS, NO_ADD,
+                        scale=np.float32(scale),
                         causal=causal, s_kv_real=np.int32(s_kv_real))
                     return (dq * scale).astype(q.dtype), dk, dv
                 fn = jax.jit(cute)

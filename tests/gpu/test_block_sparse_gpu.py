@@ -155,6 +155,19 @@ def test_backward_is_deterministic(family):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def _fused_inputs(dtype, s):
+    """q, k, v, dO (GQA 4 / 2, d 128) for the fused backward, or a skip with the one
+    refusal expected beside a non-Hopper GPU: an extension built without CUTLASS."""
+    q, k, v, do = _inputs(4, 2, 128, dtype, s=s)
+    if choose_implementation(q) != "mosaic":
+        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
+    why = kernel_bwd_fused.reason(q, seq_first=False, implementation="mosaic")
+    if why is not None:
+        assert "was built without" in why, why
+        pytest.skip(why)
+    return q, k, v, do
+
+
 def _documents_map(case, s):
     ids = jnp.asarray(doc_ids(B, s, [s // 8, s // 4, s // 8 + 40]))
     if case == "segment ids":
@@ -179,17 +192,41 @@ def _documents_map(case, s):
 def test_documents_backward_runs_the_fused_kernel(case, dtype, s):
     """A documents mask alone takes the backward of one kernel (`kernel_bwd_fused`):
     against the float64 oracle, GQA, lengths past a block boundary, padding."""
-    q, k, v, do = _inputs(4, 2, 128, dtype, s=s)
-    if choose_implementation(q) != "mosaic":
-        pytest.skip("the Mosaic GPU kernels need a Hopper GPU")
-    why = kernel_bwd_fused.reason(q, seq_first=False, implementation="mosaic")
-    if why is not None:   # the one refusal expected: an extension built without CUTLASS
-        assert "was built without" in why, why
-        pytest.skip(why)
+    q, k, v, do = _fused_inputs(dtype, s)
     bm = _documents_map(case, s)
     assert kernel_bwd_fused.TARGET in _gradients(q, k, v, do, bm, lower=True)
     _check_map(bm, q, k, v, do)
     _check_map(bm, q, k, v, do, deterministic=True)   # (the Mosaic kernels, same mask)
+
+
+def _dense_map(case, s, h):
+    rng = np.random.default_rng(3)
+    if case == "random per head":   # partial blocks everywhere, each head its own bits
+        m = rng.random((B, h, s, s)) < 0.3
+    elif case == "documents of one row for the batch":
+        ids = doc_ids(1, s, [s // 8, s // 4, s // 8 + 40])
+        m = (ids[:, :, None] == ids[:, None, :])[:, None]
+    else:   # "rows that see no key": their mean's gradient added to dv in the kernel
+        m = rng.random((B, 1, s, s)) < 0.5
+        m[:, :, 5:9] = False
+    return bs.from_dense_mask(jnp.asarray(m))
+
+
+@pytest.mark.parametrize("case", ["random per head", "documents of one row for the batch",
+                                  "rows that see no key"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("s", [S, 300])
+def test_dense_mask_backward_runs_the_fused_kernel(case, dtype, s):
+    """A dense mask alone takes the backward of one kernel, reading its packed bits in
+    partial blocks: against the float64 oracle, GQA, lengths past a block boundary,
+    jax.nn's mean for unseen rows (and, with deterministic=True, the Mosaic kernels)."""
+    q, k, v, do = _fused_inputs(dtype, s)
+    bm = _dense_map(case, s, 4)
+    unseen = "mean" if case == "rows that see no key" else "zero"
+    assert kernel_bwd_fused.TARGET in _gradients(q, k, v, do, bm, unseen_rows=unseen,
+                                                 lower=True)
+    _check_map(bm, q, k, v, do, unseen_rows=unseen)
+    _check_map(bm, q, k, v, do, unseen_rows=unseen, deterministic=True)
 
 
 @pytest.mark.parametrize("family", ["sliding_window", "documents", "random_dense"])

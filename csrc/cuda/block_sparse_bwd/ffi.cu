@@ -70,7 +70,8 @@ std::string launch(cudaStream_t stream, const BwdParams& p) {
 std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                   const ffi::AnyBuffer& d_o, const ffi::Buffer<ffi::F32>& lse_delta,
                   const ffi::Buffer<ffi::S32>& q_num, const ffi::Buffer<ffi::S32>& q_idx,
-                  const ffi::AnyBuffer& q_words, const ffi::AnyBuffer& kv_words, BwdParams& p) {
+                  const ffi::AnyBuffer& q_words, const ffi::AnyBuffer& kv_words,
+                  const ffi::AnyBuffer& bits, BwdParams& p) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return "q, k must be [B, S, H, D]";
   p.B = int(qd[0]); p.S = int(qd[1]); p.H = int(qd[2]);
@@ -99,6 +100,15 @@ std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
       return "q_words / kv_words must be int32";
     p.words_b = wq[0] != 1;
   }
+  if (bits.element_count() > 0) {
+    auto bd = bits.dimensions();
+    if (bd.size() != 4 || bd[2] != p.S_kv / 32 || bd[3] != p.S || (bd[0] != 1 && bd[0] != p.B) ||
+        (bd[1] != 1 && bd[1] != p.H))
+      return "bits must be [B|1, H|1, S_kv / 32, S]";
+    if (bits.element_type() != ffi::DataType::S32) return "bits must be int32";
+    if (q_words.element_count() > 0) return "ids and bits are one mask or the other";
+    p.bits_b = bd[0] != 1; p.bits_h = bd[1] != 1;
+  }
   return {};
 }
 
@@ -106,10 +116,11 @@ ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> lse_delta, ffi::Buffer<ffi::S32> q_num,
                ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> full_num,
                ffi::Buffer<ffi::S32> full_idx, ffi::AnyBuffer q_words, ffi::AnyBuffer kv_words,
+               ffi::AnyBuffer bits, ffi::Buffer<ffi::F32> dv_add,
                ffi::Result<ffi::Buffer<ffi::F32>> dq_acc, ffi::Result<ffi::AnyBuffer> dk,
                ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal, int32_t s_kv_real) {
   BwdParams p{};
-  std::string err = check(q, k, v, d_o, lse_delta, q_num, q_idx, q_words, kv_words, p);
+  std::string err = check(q, k, v, d_o, lse_delta, q_num, q_idx, q_words, kv_words, bits, p);
   if (err.empty() && (full_num.element_count() != q_num.element_count() ||
                       full_idx.element_count() != q_idx.element_count()))
     err = "the full lists must match the partial ones";
@@ -127,6 +138,10 @@ ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   const bool ids = q_words.element_count() > 0;
   p.q_words = ids ? static_cast<const int32_t*>(q_words.untyped_data()) : nullptr;
   p.kv_words = ids ? static_cast<const int32_t*>(kv_words.untyped_data()) : nullptr;
+  p.bits = bits.element_count() > 0 ? static_cast<const int32_t*>(bits.untyped_data()) : nullptr;
+  if (dv_add.element_count() > 0 && dv_add.element_count() != size_t(p.B) * p.H * kDim)
+    return ffi::Error::InvalidArgument("fusedattn_block_sparse_bwd: dv_add must be [B, H, 128]");
+  p.dv_add = dv_add.element_count() > 0 ? dv_add.typed_data() : nullptr;
   p.dq_acc = dq_acc->typed_data(); p.dk = dk->untyped_data(); p.dv = dv->untyped_data();
   p.scale = scale; p.causal = causal; p.s_kv_real = s_kv_real;
   cudaError_t z = cudaMemsetAsync(p.dq_acc, 0, dq_acc->size_bytes(), stream);
@@ -157,6 +172,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnBlockSparseBwd, ::fusedattn::block_sparse
                                   .Arg<ffi::Buffer<ffi::S32>>()       // full_q_indices
                                   .Arg<ffi::AnyBuffer>()              // q_words (empty: no ids)
                                   .Arg<ffi::AnyBuffer>()              // kv_words
+                                  .Arg<ffi::AnyBuffer>()              // bits (empty: no dense mask)
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // dv_add (empty: none)
                                   .Ret<ffi::Buffer<ffi::F32>>()       // dq_acc
                                   .Ret<ffi::AnyBuffer>()              // dk
                                   .Ret<ffi::AnyBuffer>()              // dv

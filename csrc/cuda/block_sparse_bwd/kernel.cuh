@@ -9,15 +9,15 @@
 //       dK += dS^T Q                               (dS^T from registers)
 //     and each stages its f32 half of dQ in shared memory while dK runs;
 //   - a producer warpgroup: one thread loads K, V and each step's Q, dO, lse, delta and
-//     ids with TMA and bulk copies into a ring of stages (mbarriers say full / empty),
-//     and two warps reduce-add the staged dQ rows into the f32 dq buffer with bulk
+//     mask words (ids or a dense mask's bits) with TMA and bulk copies into a ring of
+//     stages (mbarriers say full / empty), and two warps reduce-add the staged dQ rows into the f32 dq buffer with bulk
 //     copies, so neither loads nor dQ's reduction stall the compute warpgroups.
 // Measurement switches: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
 // part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its
 // dV product run while dP^T is computed), FUSEDATTN_BSB_TURNS (with NO_DQ: the two
 // compute warpgroups take turns on the tensor cores). Partial blocks apply the
-// documents mask (equal ids, both valid; optionally causal) and hide keys past the
-// real length; full blocks apply nothing.
+// element mask, either a documents mask (equal ids, both valid; optionally causal) or
+// a dense mask's bits, and hide keys past the real length; full blocks apply nothing.
 #pragma once
 
 #include <cstdint>
@@ -49,15 +49,20 @@ struct BwdParams {
   const float* lse_delta;        // [B, H, 2, S]: base-2 lse (+inf: the row sees no key), delta
   const int32_t* q_words;        // [Bw, 2, S]: id, valid (null: no ids)
   const int32_t* kv_words;       // [Bw, 2, S_kv]
+  const int32_t* bits;           // [Bd, Hd, S_kv / 32, S]: bit j % 32 of word j / 32 says
+                                 // query i sees key j (null: no dense mask)
   const int32_t* q_num;          // [Lb, Lh, n_kv]        partial query blocks per key block
   const int32_t* q_idx;          // [Lb, Lh, n_kv, n_q]
   const int32_t* full_num;       // [Lb, Lh, n_kv]        full ones
   const int32_t* full_idx;       // [Lb, Lh, n_kv, n_q]
+  const float* dv_add;           // [B, H, D], added to every key's dV (null: none): the
+                                 // gradient of a mean of v given to rows that see no key
   float* dq_acc;                 // [B, S, H, D], zeroed
   void* dk;                      // [B, S_kv, H, D] per query head
   void* dv;
   int B, S, S_kv, H, H_kv, n_q, n_kv;
   int list_b, list_h, words_b;   // 1: varies along the batch / head axis, 0: broadcast
+  int bits_b, bits_h;            // (the same, for the bits)
   int s_kv_real;                 // keys at or past this are padding
   float scale;                   // softmax scale
   bool causal;                   // partial blocks also need key <= query
@@ -106,6 +111,7 @@ struct BwdTypes {
     float delta[kStages][kRows];
     int32_t qid[kStages][kRows];
     int32_t qok[kStages][kRows];
+    int32_t bits[kStages][kKeys / 32][kRows];   // partial steps' dense mask words
     uint64_t full[kStages];           // a stage loaded (its bytes counted in)
     uint64_t empty[kStages];          // a stage read by both compute warpgroups
     uint64_t kv_full;                 // K and V loaded (bytes counted in)
@@ -144,7 +150,7 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
   const int32_t* full_idx = p.full_idx + list * p.n_q;
   const int steps = 2 * (n_partial + n_full);
   const int64_t words = int64_t(p.words_b ? b : 0) * 2;
-  const bool ids = p.q_words != nullptr;
+  const bool ids = p.q_words != nullptr, dense = p.bits != nullptr;
   const int k0 = kb * kKeys;
   auto q_start = [&](int step) {
     int e = step >> 1;
@@ -178,13 +184,19 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
       }
       const float* ld = p.lse_delta + (int64_t(b) * p.H + h) * 2 * p.S;
       const int32_t* qw = ids ? p.q_words + words * p.S : nullptr;
+      // This key block's four words of each query, for this (batch, head).
+      const int32_t* bw = dense ? p.bits + ((int64_t(p.bits_b ? b : 0) * (p.bits_h ? p.H : 1) +
+                                             (p.bits_h ? h : 0)) * (p.S_kv / 32) + kb * (kKeys / 32)) * p.S
+                                : nullptr;
       // The list is read a step ahead, so its latency hides behind the wait for a stage.
       int q0 = steps > 0 ? q_start(0) : 0;
       for (int step = 0; step < steps; ++step) {
         const int st = step % kStages;
         const int next = step + 1 < steps ? q_start(step + 1) : 0;
+        // (full blocks read no mask)
+        const bool bits = dense && (step >> 1) < n_partial;
         if (step >= kStages) mbar_wait(&s.empty[st], ((step / kStages) - 1) & 1);
-        mbar_expect(&s.full[st], 2 * tile + (ids ? 4 : 2) * side);
+        mbar_expect(&s.full[st], 2 * tile + (ids ? 4 : 2) * side + (bits ? kKeys / 32 * side : 0));
         load_tile<T>(s.q[st], &maps.q, h, b * p.S + q0, &s.full[st]);
         load_tile<T>(s.dout[st], &maps.dout, h, b * p.S + q0, &s.full[st]);
         bulk_load(s.lse[st], ld + q0, side, &s.full[st]);
@@ -193,6 +205,9 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
           bulk_load(s.qid[st], qw + q0, side, &s.full[st]);
           bulk_load(s.qok[st], qw + p.S + q0, side, &s.full[st]);
         }
+        if (bits)
+          for (int w = 0; w < kKeys / 32; ++w)
+            bulk_load(s.bits[st][w], bw + int64_t(w) * p.S + q0, side, &s.full[st]);
         q0 = next;
       }
     } else if (wt < kReducers) {   // reducers: row wt of each step's dQ
@@ -239,6 +254,8 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
   // accumulator's values i with (i >> 1) & 1 equal to 0 and 1 (scalars, not arrays
   // indexed at run time, which went to local memory).
   const int key_r0 = k0 + wg * kRows + get<0>(coord_s(0)), key_r1 = key_r0 + 8;
+  // Both rows lie in one 32-key word of a dense mask: this one, at these bits.
+  const int bits_word = (key_r0 - k0) / 32, bit0 = (key_r0 - k0) % 32;
   bool key_ok0 = key_r0 < p.s_kv_real, key_ok1 = key_r1 < p.s_kv_real;
   int32_t key_id0 = 0, key_id1 = 0;
   if (ids) {
@@ -296,6 +313,7 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
           bool see = upper ? key_ok1 : key_ok0;
           // (&&: these loads only where needed; & without branches spilled registers)
           if (ids) see = see && s.qok[st][qc] != 0 && s.qid[st][qc] == (upper ? key_id1 : key_id0);
+          if (dense) see = see && ((uint32_t(s.bits[st][bits_word][qc]) >> (bit0 + 8 * upper)) & 1u);
           if (p.causal) see = see && (upper ? key_r1 : key_r0) <= q0 + qc;
           if (!see) x = -INFINITY;
         }
@@ -377,8 +395,8 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
 #endif
     accumulate(acc_dv, r_p, s.dout[st]);
 #endif
-    // Once dV and dK are done this step's Q, dO, lse, delta and ids are read (dQ reads
-    // only dS and K) and the stage goes back to the producer.
+    // Once dV and dK are done this step's Q, dO, lse, delta and mask words are read (dQ
+    // reads only dS and K) and the stage goes back to the producer.
     auto release_stage = [&] {
       warpgroup_fence_operand(acc_dv);
       warpgroup_fence_operand(acc_dk);
@@ -442,6 +460,11 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
   Tensor coord_kv = thr_kv.partition_C(make_identity_tensor(Shape<_64, _128>{}));
   T* sk = s.k[wg];
   T* sv = s.v[wg];
+  if (p.dv_add) {
+    const float* add = p.dv_add + (int64_t(b) * p.H + h) * kDim;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dv); ++i) acc_dv(i) += add[get<1>(coord_kv(i))];
+  }
   CUTE_UNROLL
   for (int i = 0; i < size(acc_dk); i += 2) {
     const int at = swizzled(get<0>(coord_kv(i)), get<1>(coord_kv(i)));

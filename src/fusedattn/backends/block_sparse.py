@@ -357,16 +357,17 @@ class BlockSparseBackend(native_op.NativeBackend):
 
 
 def backward_note(config: AttnConfig, implementation: str) -> str:
-    """Which kernels the backward runs: `kernel_bwd_fused` where the map's mask is a
-    documents mask alone and the call allows it, else the dq and dk / dv kernels (or
-    the reference walks: `implementation`)."""
+    """Which kernels the backward runs: `kernel_bwd_fused` where the map's mask is one
+    documents mask or one dense mask and the call allows it, else the dq and dk / dv
+    kernels (or the reference walks: `implementation`). It restates the route's
+    conditions (`attention._fused_mask`) in the config's terms, before any array."""
+    mask_mod, score_mod = parts(config)
     why = [text for text, bad in (
-        ("a score_mod", parts(config)[1] is not None),
-        ("unseen rows given the mean of v", config.unseen_rows != "zero"),
+        ("a score_mod", score_mod is not None),
         ("deterministic=True (it adds dq with atomics)", config.deterministic),
-        ("a dense mask, causal, a window, padding lengths or packed segments",
-         config.has_dense_mask or config.causal or bool(config.window) or config.is_padded
-         or config.is_packed),
+        ("causal, a window, padding lengths or packed segments beside the mask",
+         config.causal or bool(config.window) or config.is_padded or config.is_packed),
+        ("a mask_mod and a dense mask together", mask_mod is not None and config.has_dense_mask),
         ("sbhd", config.layout != "bshd"),
         ("s_q != s_kv", config.s_q != config.s_kv))
         if bad]
@@ -376,8 +377,10 @@ def backward_note(config: AttnConfig, implementation: str) -> str:
             seq_first=False, implementation=implementation)
         why = [arrays] if arrays else []
     if why:
-        return ("backward: the dq and dk / dv kernels (the fused documents kernel: "
-                f"{'; '.join(why)})")
+        return f"backward: the dq and dk / dv kernels (the fused kernel: {'; '.join(why)})"
+    if config.has_dense_mask:
+        return ("backward: one fused kernel reading the dense mask's bits (not reproducible "
+                "bit for bit)")
     return ("backward: one fused kernel where the map's mask is documents alone "
             "(not reproducible bit for bit), else the dq and dk / dv kernels")
 

@@ -1,11 +1,11 @@
 """`block_sparse_attention`: attention that runs only the blocks a `BlockMap` lists.
 
-On Hopper GPUs the Mosaic GPU kernels (`kernel_fwd`, `kernel_bwd`) run it, and a
-documents mask's backward, where the extension has it and reproducible bits are not
-asked for, one native kernel (`kernel_bwd_fused`); elsewhere (and with
-``implementation="reference"``) the same list walks in plain JAX (`reference`). Both
-save the base-2 log-sum-exp for the backward, which walks the query-major lists for dq
-and the key-major lists for dk / dv.
+On Hopper GPUs the Mosaic GPU kernels (`kernel_fwd`, `kernel_bwd`) run it, and the
+backward of a documents mask or a dense mask, where the extension has it and
+reproducible bits are not asked for, one native kernel (`kernel_bwd_fused`);
+elsewhere (and with ``implementation="reference"``) the same list walks in plain JAX
+(`reference`). Both save the base-2 log-sum-exp for the backward, which walks the
+query-major lists for dq and the key-major lists for dk / dv.
 `block_sparse_attention_backward` runs that backward alone, from a forward's
 output and log-sum-exp (the fusedattn backend's two partitioned steps).
 """
@@ -28,6 +28,7 @@ from .documents import documents
 from .kernel_mask import KernelMask, kernel_mask
 from .kernel_parts import BLOCK, batch_tokens, whole
 from .kernel_score import kernel_score
+from .terms import Dense
 
 IMPLEMENTATIONS = ("mosaic", "reference")
 LAYOUTS = ("bshd", "sbhd")    # the token arrays' layouts the kernels read in place
@@ -58,7 +59,7 @@ def block_sparse_attention(q, k, v, block_map: BlockMap, *, scale: Optional[floa
     Hopper GPU, else reference). Under a jit whose inputs are sharded over the batch or
     heads each device runs its own shard (`sharded`; ``partitioned=False``: the caller
     runs this on one device's arrays already). ``deterministic=True``: a backward of
-    the same bits run after run (the fused documents kernel adds dq with atomics)."""
+    the same bits run after run (the fused backward kernel adds dq with atomics)."""
     out, _ = _call(q, k, v, block_map, scale, score_mod, score_mod_args, implementation,
                    unseen_rows, layout, partitioned, deterministic)
     return out
@@ -106,7 +107,7 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
     mean_over, flag = _unseen_rule(unseen_rows, block_map, score_mod is not None, s_kv)
     fn, scale, impl, (q, k, v), ints, fused = _operands(
         q, k, v, block_map, scale, implementation, layout,
-        _fused_asked(score_mod, mean_over, deterministic))
+        _fused_asked(score_mod, deterministic))
     ints += (flag,)
     args = tuple(score_mod_args)
     floats = [i for i, a in enumerate(args) if jnp.issubdtype(jnp.result_type(a), jnp.floating)]
@@ -147,7 +148,7 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_
     v_real = None if mean_over is None else jax.lax.stop_gradient(v)
     fn, scale, impl, (q, k, v), ints, fused = _operands(
         q, k, v, bm, scale, implementation, layout,
-        _fused_asked(score_mod, mean_over, deterministic))
+        _fused_asked(score_mod, deterministic))
     score, values = _score(score_mod, score_mod_args, batch_tokens(q, t == 0)[0], q.shape[2],
                            s_q, s_kv)
     ints += (flag,)
@@ -170,7 +171,7 @@ class _Steps(NamedTuple):
     # whether the functions read the batch / head number as values (`sharded`: asked
     # only where a split is decided)
     reads: Optional[Callable[[], Tuple[bool, bool]]]
-    fused: bool                # the backward runs `kernel_bwd_fused` (the mask is its words)
+    fused: bool                # the backward runs `kernel_bwd_fused` (`_fused_mask`)
 
     def run(self, body, operands, dims):
         """``body(*operands)``, split by `sharded` where the call is partitioned;
@@ -255,12 +256,12 @@ def _score(score_mod, score_mod_args, batch, heads, s_q, s_kv):
                       _pad_tokens(score.kv_values, whole(s_kv), axis=3), score.d_values)
 
 
-def _fused_asked(score_mod, mean_over, deterministic: bool) -> bool:
+def _fused_asked(score_mod, deterministic: bool) -> bool:
     """Whether a call's options leave the fused backward possible (the mask and the
     arrays decide the rest: `_operands`)."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
-    return score_mod is None and mean_over is None and not deterministic
+    return score_mod is None and not deterministic
 
 
 def _operands(q, k, v, bm, scale, implementation, layout, fused_asked=False):
@@ -270,13 +271,9 @@ def _operands(q, k, v, bm, scale, implementation, layout, fused_asked=False):
     _check(q, k, v, bm, t)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = choose_implementation(q, implementation)
-    docs = _fused_documents(bm, q, (k.dtype, v.dtype), t, impl) if fused_asked else None
-    if docs is not None:   # (the Mosaic forward reads the same words)
-        km = KernelMask(*kernel_bwd_fused.words(docs, bm.s_q, bm.s_kv), None,
-                        kernel_bwd_fused.visible)
-    else:
-        km = kernel_mask(bm.element)
-    km = _padded(km, bm.s_q, bm.s_kv)
+    km = _fused_mask(bm, q, (k.dtype, v.dtype), t, impl) if fused_asked else None
+    fused = km is not None
+    km = _padded(km if fused else kernel_mask(bm.element), bm.s_q, bm.s_kv)
     # Lengths past a block boundary: the arrays padded to whole blocks (the map already
     # has the blocks; the key padding is masked in the last block, which is never full,
     # and the padded rows' outputs are cut off, so their cotangent is 0).
@@ -286,19 +283,25 @@ def _operands(q, k, v, bm, scale, implementation, layout, fused_asked=False):
     bwd_lists = tuple(jnp.asarray(x, jnp.int32) for x in
                       (bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices))
     return km.fn, scale, impl, (q, k, v), (fwd_lists, bwd_lists, km.q_arrays, km.kv_arrays,
-                                           km.dense), docs is not None
+                                           km.dense), fused
 
 
-def _fused_documents(bm: BlockMap, q, kv_dtypes, t: int, impl: str):
-    """The map's documents (`documents`) where the fused backward takes the call, else
-    None: a documents mask alone, with no factor of positions."""
+def _fused_mask(bm: BlockMap, q, kv_dtypes, t: int, impl: str) -> Optional[KernelMask]:
+    """The kernel mask of a call whose backward `kernel_bwd_fused` takes, else None: a
+    dense mask alone (its bits), or a documents mask alone with no factor of positions
+    (as the kernel's words, which the Mosaic forward then reads too)."""
     terms = bm.element.terms
-    docs = documents(terms[0], bm.element) if len(terms) == 1 else None
+    if len(terms) != 1 or kernel_bwd_fused.reason(
+            q, seq_first=t == 0, implementation=impl, s_kv=bm.s_kv,
+            kv_dtypes=kv_dtypes) is not None:
+        return None
+    if isinstance(terms[0], Dense):
+        return kernel_mask(bm.element)
+    docs = documents(terms[0], bm.element)
     if docs is None or docs.positions is not None:
         return None
-    why = kernel_bwd_fused.reason(q, seq_first=t == 0, implementation=impl, s_kv=bm.s_kv,
-                                  kv_dtypes=kv_dtypes)
-    return docs if why is None else None
+    return KernelMask(*kernel_bwd_fused.words(docs, bm.s_q, bm.s_kv), None,
+                      kernel_bwd_fused.visible)
 
 
 def _pad_tokens(x, size: int, axis: int = 1):
@@ -390,7 +393,7 @@ def _bwd(steps: _Steps, res, cts):
                                             ) / steps.mean_over
         if steps.fused:
             dq, dk, dv = kernel_bwd_fused.backward(q, k, v, do, lse_delta, bwd_lists, qa, ka,
-                                                   scale=steps.scale)
+                                                   dense, dv_add, scale=steps.scale)
             d_q_values = d_d_values = d_kv_values = None
         elif impl == "mosaic":
             dq, d_q_values, d_d_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km,

@@ -1,14 +1,15 @@
-"""The block-sparse backward of one native kernel for documents masks (Hopper):
-`csrc/cuda/block_sparse_bwd`, CuTe with wgmma and TMA, five products a tile where
-the two Mosaic GPU kernels (`kernel_bwd`) take seven. It walks the key-major lists
-and adds dq in f32 with TMA reductions, so it is not bitwise reproducible:
-``deterministic=True`` keeps the Mosaic kernels.
+"""The block-sparse backward of one native kernel for documents and dense masks
+(Hopper): `csrc/cuda/block_sparse_bwd`, CuTe with wgmma and TMA, five products a
+tile where the two Mosaic GPU kernels (`kernel_bwd`) take seven. It walks the
+key-major lists and adds dq in f32 with TMA reductions, so it is not bitwise
+reproducible: ``deterministic=True`` keeps the Mosaic kernels.
 
-It serves maps whose element mask is a documents mask alone (ids equal, both tokens
-valid: `documents`), with no score_mod and no mean for unseen rows, d 128, bf16 or
-fp16, bshd, s_q == s_kv, on an extension built with it (the CUTLASS headers at build
-time). The mask reaches it, and the Mosaic kernels beside it, as two int32 rows per
-token (`words`).
+It serves maps whose element mask is one term: a documents mask (ids equal, both
+tokens valid: `documents`), which reaches it and the Mosaic forward as two int32
+rows per token (`words`), or a dense mask, whose packed bits (`kernel_mask.pack_bits`)
+both read. No score_mod; d 128, bf16 or fp16, bshd, s_q == s_kv, on an extension
+built with it (the CUTLASS headers at build time). jax.nn's mean of v for rows that
+see no key adds its gradient to dv in the kernel.
 """
 from __future__ import annotations
 
@@ -64,15 +65,20 @@ def visible(b, h, q, kv, qv, kvv, d):
     return (qv[0] == kvv[0]) & (qv[1] != 0) & (kvv[1] != 0)
 
 
-def backward(q, k, v, do, lse_delta, lists, q_words, kv_words, *, scale: float):
+def backward(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *,
+             scale: float):
     """(dq, dk, dv): dq in q's dtype, dk / dv per query head (the caller sums a GQA
     group). q, k, v, do bshd over whole blocks; `lse_delta` and `lists` (key-major) as
-    the Mosaic kernels take them."""
+    the Mosaic kernels take them. The mask: the words of `words` (`q_words`,
+    `kv_words`) or packed `bits` (the other None). `dv_add` f32 [B, H, D] (or None) is
+    added to every key's dv."""
     b, s, h, d = q.shape
     per_head = jax.ShapeDtypeStruct((b, k.shape[1], h, d), q.dtype)
+    none = lambda x, dtype=jnp.int32: jnp.zeros((0,), dtype) if x is None else x
     dq, dk, dv = jax.ffi.ffi_call(
         TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32), per_head, per_head),
         vmap_method="sequential")(
-        q, k, v, do, lse_delta, *lists, q_words, kv_words, scale=np.float32(scale),
-        causal=False, s_kv_real=np.int32(k.shape[1]))
+        q, k, v, do, lse_delta, *lists, none(q_words), none(kv_words), none(bits),
+        none(dv_add, jnp.float32), scale=np.float32(scale), causal=False,
+        s_kv_real=np.int32(k.shape[1]))
     return (dq * scale).astype(q.dtype), dk, dv
