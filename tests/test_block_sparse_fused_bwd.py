@@ -75,19 +75,14 @@ def _same_doc(b, h, i, j, doc):
     return doc[b, i] == doc[b, j]
 
 
-@pytest.mark.parametrize("options, why", [
-    ({}, "Mosaic GPU kernels do not run"),   # (the kernels run as the reference walks)
-    ({"deterministic": True}, "deterministic=True"),
-    ({"mask": "causal"}, "causal"),
-    ({"score_mod": lambda s, b, h, i, j, doc: s * 0.5}, "a score_mod"),
-])
-def test_explain_says_which_backward_runs(hopper_reference, options, why):
+def test_explain_says_the_reference_walks_keep_the_other_kernels(hopper_reference):
     q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
     doc = jnp.asarray(doc_ids(2, 256, [64, 100]))
-    plan = fusedattn.explain(q, q, q, mask_mod=_same_doc, score_mod_args=(doc,), **options)
+    plan = fusedattn.explain(q, q, q, mask_mod=_same_doc, score_mod_args=(doc,))
     assert plan.chosen == "block_sparse", str(plan)
     text = str(plan)
-    assert "backward: the dq and dk / dv kernels" in text and why in text, text
+    assert "backward: the dq and dk / dv kernels" in text, text
+    assert "Mosaic GPU kernels do not run" in text, text
 
 
 def _maps(case, b, s):
@@ -120,17 +115,63 @@ def test_the_forward_reads_the_words_as_the_mask(monkeypatch, case):
                                rtol=1e-6, atol=1e-6)
 
 
-def test_explain_names_the_dense_masks_bits(hopper_reference, monkeypatch):
-    """jax.nn's drop-in with a dense mask: the fused kernel reads its bits (the
-    extension's presence faked), unless a built-in causal mask joins it."""
+def _doc_mask(ids):
+    return jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
+
+
+# (the drop-in or not, its options from the doc ids, what the backward should run: the
+# fused kernel on "ids" or "bits", or the other kernels for the reason given)
+_ROUTES = {
+    "documents mask_mod": (False, lambda d: dict(mask_mod=_same_doc, score_mod_args=(d,)),
+                           "ids"),
+    "documents mask_mod, deterministic": (False, lambda d: dict(
+        mask_mod=_same_doc, score_mod_args=(d,), deterministic=True), "deterministic=True"),
+    "documents mask_mod and a score_mod": (False, lambda d: dict(
+        mask_mod=_same_doc, score_mod_args=(d,), score_mod=lambda s, b, h, i, j, doc: s * 0.5),
+        "a score_mod"),
+    "documents mask_mod, causal": (False, lambda d: dict(
+        mask_mod=_same_doc, score_mod_args=(d,), mask="causal"), "causal"),
+    "dense mask": (True, lambda d: dict(mask=_doc_mask(d)), "bits"),
+    "dense mask, is_causal": (True, lambda d: dict(mask=_doc_mask(d), is_causal=True),
+                              "causal"),
+    "dense mask, key lengths": (True, lambda d: dict(
+        mask=_doc_mask(d), key_value_seq_lengths=jnp.asarray([200, 256])), "padding lengths"),
+}
+
+
+@pytest.mark.parametrize("case", list(_ROUTES))
+def test_explain_and_the_call_agree_on_the_backward(hopper_reference, monkeypatch, case):
+    """What explain() says the backward runs (from the config, before any array:
+    `backends.block_sparse.backward_note`) is what a training step runs (from the map:
+    `attention._fused_mask`), and the kernel gets the mask in the form said: the
+    extension's presence faked, the kernel stood in for by one that records its mask."""
     monkeypatch.setattr(fused, "reason", lambda *a, **kw: None)
-    q = jnp.zeros((2, 256, 4, 128), jnp.bfloat16)
-    ids = doc_ids(2, 256, [64, 100])
-    mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
-    text = str(fusedattn.jax_nn.explain(q, q, q, mask=mask))
-    assert "backward: one fused kernel reading the dense mask's bits" in text, text
-    text = str(fusedattn.jax_nn.explain(q, q, q, mask=mask, is_causal=True))
-    assert "backward: the dq and dk / dv kernels" in text and "causal" in text, text
+    forms = []
+
+    def kernel(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *, scale):
+        forms.append("ids" if q_words is not None else "bits" if bits is not None else "?")
+        per_head = jnp.zeros((*k.shape[:2], q.shape[2], q.shape[3]), q.dtype)
+        return jnp.zeros_like(q), per_head, per_head
+    monkeypatch.setattr(fused, "backward", kernel)
+    drop_in, options, want = _ROUTES[case]
+    call, explain = ((fusedattn.dot_product_attention, fusedattn.jax_nn.explain) if drop_in
+                     else (fusedattn.fused_attn, fusedattn.explain))
+    q = jax.random.normal(jax.random.key(0), (2, 256, 4, 128), jnp.bfloat16)
+    options = options(doc_ids(2, 256, [64, 100]))
+    plan = explain(q, q, q, **options)
+    assert plan.chosen == "block_sparse", str(plan)
+    _, vjp = jax.vjp(lambda q: call(q, q, q, **options), q)
+    vjp(q)
+    text = str(plan)
+    fused_form = want in ("ids", "bits")
+    assert forms == ([want] if fused_form else []), (forms, text)
+    if not fused_form:
+        assert "backward: the dq and dk / dv kernels (the fused kernel:" in text, text
+        assert want in text.split("backward:")[1], text
+    elif want == "bits":
+        assert "backward: one fused kernel reading the dense mask's bits" in text, text
+    else:
+        assert "backward: one fused kernel where the map's mask is documents alone" in text, text
 
 
 @pytest.mark.parametrize("unseen", [False, True])
