@@ -142,8 +142,8 @@ def test_unseen_rows_under_a_device_flag(cut):
 
 @pytest.mark.parametrize("family", ["causal", "documents", "random_dense"])
 def test_backward_is_deterministic(family):
-    """With deterministic=True dq and dk / dv walk their own lists with no atomics (the
-    documents kernel's backward too): the same bits run after run."""
+    """With deterministic=True dq and dk / dv walk their own lists with no atomics (where
+    the fused kernel would run too: documents, a dense mask): the same bits run after run."""
     q, k, v, do = _inputs(4, 2, 128, jnp.bfloat16)
     if choose_implementation(q) != "mosaic":
         pytest.skip("the Mosaic GPU kernels need a Hopper GPU")

@@ -297,6 +297,7 @@ def _fused_mask(bm: BlockMap, q, kv_dtypes, t: int, impl: str) -> Optional[Kerne
         return None
     if isinstance(terms[0], Dense):
         return kernel_mask(bm.element)
+    # (the arrays first: finding the ids hoists the mask_mod's reads, work at trace time)
     docs = documents(terms[0], bm.element)
     if docs is None or docs.positions is not None:
         return None
@@ -385,7 +386,8 @@ def _bwd(steps: _Steps, res, cts):
         dv_add = None
         if steps.mean_over is not None:
             # An unseen row's output is the mean of v: its cotangent reaches every key's dv
-            # (added by the dk / dv kernel; its probabilities, 0, give dq and dk nothing).
+            # (added by the dk / dv kernel or the fused one; its probabilities, 0, give dq
+            # and dk nothing).
             # A masked sum over the sequence reads dO once (as an einsum, XLA transposed dO
             # for a matmul first), where the gate is open.
             dv_add = unseen.gated_token_sum(_bshd(do, seq_first), flag, lse2,
