@@ -4,12 +4,13 @@ the two Mosaic GPU kernels of seven (`fusedattn.block_sparse.kernel_bwd`)?
 
 Compiles the kernel with nvcc into shared objects, one per build switch (the whole
 kernel, with S^T and dP^T waited for together or apart; without dq, the dk / dv part
-alone or with the two warpgroups taking turns on the tensor cores), registers each as an XLA FFI target, and times them round-robin
-with the Mosaic pair in one process on the benchmark's documents (b4 s4096 h16 d128
-bf16, 512/1024/512/2048, the map from `from_segment_ids`), after checking every
-gradient the build computes against the Mosaic kernels', there and on causal documents
-cut mid-block with padding (every part of the element mask); dq's conversion from the
-f32 buffer, which every build pays outside its kernel, is timed alone beside them.
+alone or with the two warpgroups taking turns on the tensor cores), registers each as
+an XLA FFI target, and times them round-robin with the Mosaic pair in one process on
+the benchmark's documents (b4 s4096 h16 d128 bf16, 512/1024/512/2048, the map from
+`from_segment_ids`), after checking every gradient the build computes against the
+Mosaic kernels', there and on causal documents cut mid-block with padding (every part
+of the element mask); dq's conversion from the f32 buffer, which every build pays
+outside its kernel, is timed alone beside them.
 Needs a Hopper GPU, nvcc, pybind11 and the CUTLASS headers (the `nvidia-cutlass`
 wheel, or CUTLASS_INCLUDE).
 `python -m benchmarks.tune.cute_bsa_bwd`

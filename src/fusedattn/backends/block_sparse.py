@@ -367,14 +367,13 @@ def backward_note(config: AttnConfig, implementation: str) -> str:
         ("deterministic=True (it adds dq with atomics)", config.deterministic),
         ("causal, a window, padding lengths or packed segments beside the mask",
          config.causal or bool(config.window) or config.is_padded or config.is_packed),
-        ("a mask_mod and a dense mask together", mask_mod is not None and config.has_dense_mask),
-        ("sbhd", config.layout != "bshd"),
-        ("s_q != s_kv", config.s_q != config.s_kv))
+        ("a mask_mod and a dense mask together", mask_mod is not None and config.has_dense_mask))
         if bad]
-    if not why:
+    if not why:   # (the arrays' own conditions: the kernel's `reason`, as the route asks)
         arrays = kernel_bwd_fused.reason(
-            jax.ShapeDtypeStruct((1, 1, 1, config.d_qk), jnp.dtype(config.dtype)),
-            seq_first=False, implementation=implementation)
+            jax.ShapeDtypeStruct((1, config.s_q, 1, config.d_qk), jnp.dtype(config.dtype)),
+            seq_first=config.layout == "sbhd", implementation=implementation,
+            s_kv=config.s_kv)
         why = [arrays] if arrays else []
     if why:
         return f"backward: the dq and dk / dv kernels (the fused kernel: {'; '.join(why)})"

@@ -291,13 +291,13 @@ def _fused_mask(bm: BlockMap, q, kv_dtypes, t: int, impl: str) -> Optional[Kerne
     dense mask alone (its bits), or a documents mask alone with no factor of positions
     (as the kernel's words, which the Mosaic forward then reads too)."""
     terms = bm.element.terms
+    # (the arrays before the ids: finding them hoists the mask_mod's reads, trace-time work)
     if len(terms) != 1 or kernel_bwd_fused.reason(
             q, seq_first=t == 0, implementation=impl, s_kv=bm.s_kv,
             kv_dtypes=kv_dtypes) is not None:
         return None
     if isinstance(terms[0], Dense):
         return kernel_mask(bm.element)
-    # (the arrays first: finding the ids hoists the mask_mod's reads, work at trace time)
     docs = documents(terms[0], bm.element)
     if docs is None or docs.positions is not None:
         return None
