@@ -131,6 +131,11 @@ _ROUTES = {
         "a score_mod"),
     "documents mask_mod, causal": (False, lambda d: dict(
         mask_mod=_same_doc, score_mod_args=(d,), mask="causal"), "causal"),
+    "documents mask_mod, a window": (False, lambda d: dict(
+        mask_mod=_same_doc, score_mod_args=(d,), window=(100, 100)), "a window"),
+    # (as wide as the sequence: the map drops it)
+    "documents mask_mod, a window hiding nothing": (False, lambda d: dict(
+        mask_mod=_same_doc, score_mod_args=(d,), window=(256, 300)), "ids"),
     "dense mask": (True, lambda d: dict(mask=_doc_mask(d)), "bits"),
     "dense mask, is_causal": (True, lambda d: dict(mask=_doc_mask(d), is_causal=True),
                               "causal"),
@@ -148,7 +153,8 @@ def test_explain_and_the_call_agree_on_the_backward(hopper_reference, monkeypatc
     monkeypatch.setattr(fused, "reason", lambda *a, **kw: None)
     forms = []
 
-    def kernel(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *, scale):
+    def kernel(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *, scale,
+               s_kv):
         forms.append("ids" if q_words is not None else "bits" if bits is not None else "?")
         per_head = jnp.zeros((*k.shape[:2], q.shape[2], q.shape[3]), q.dtype)
         return jnp.zeros_like(q), per_head, per_head
@@ -190,8 +196,9 @@ def test_a_dense_mask_hands_the_kernel_its_bits(monkeypatch, unseen):
     bm = bs.from_dense_mask(jnp.asarray(mask))
     seen = {}
 
-    def kernel(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *, scale):
-        seen.update(q_words=q_words, kv_words=kv_words, bits=bits, dv_add=dv_add)
+    def kernel(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *, scale,
+               s_kv):
+        seen.update(q_words=q_words, kv_words=kv_words, bits=bits, dv_add=dv_add, s_kv=s_kv)
         return (jnp.zeros_like(q), jnp.zeros((*k.shape[:2], q.shape[2], 128), q.dtype),
                 jnp.zeros((*k.shape[:2], q.shape[2], 128), q.dtype))
     monkeypatch.setattr(fused, "reason", lambda *a, **kw: None)
@@ -200,6 +207,7 @@ def test_a_dense_mask_hands_the_kernel_its_bits(monkeypatch, unseen):
         q, k, v, bm, implementation="reference", unseen_rows="mean"), q, k, v)
     vjp(do)
     assert seen["q_words"] is None and seen["kv_words"] is None
+    assert seen["s_kv"] == s   # (the kernel hides the keys padded to whole blocks)
     np.testing.assert_array_equal(np.asarray(seen["bits"]),
                                   np.asarray(pack_bits(jnp.asarray(mask), 384, 384)))
     if not unseen:

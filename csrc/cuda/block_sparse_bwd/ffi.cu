@@ -139,8 +139,11 @@ ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   p.q_words = ids ? static_cast<const int32_t*>(q_words.untyped_data()) : nullptr;
   p.kv_words = ids ? static_cast<const int32_t*>(kv_words.untyped_data()) : nullptr;
   p.bits = bits.element_count() > 0 ? static_cast<const int32_t*>(bits.untyped_data()) : nullptr;
-  if (dv_add.element_count() > 0 && dv_add.element_count() != size_t(p.B) * p.H * kDim)
-    return ffi::Error::InvalidArgument("fusedattn_block_sparse_bwd: dv_add must be [B, H, 128]");
+  if (dv_add.element_count() > 0) {
+    auto ad = dv_add.dimensions();
+    if (ad.size() != 3 || ad[0] != p.B || ad[1] != p.H || ad[2] != kDim)
+      return ffi::Error::InvalidArgument("fusedattn_block_sparse_bwd: dv_add must be [B, H, 128]");
+  }
   p.dv_add = dv_add.element_count() > 0 ? dv_add.typed_data() : nullptr;
   p.dq_acc = dq_acc->typed_data(); p.dk = dk->untyped_data(); p.dv = dv->untyped_data();
   p.scale = scale; p.causal = causal; p.s_kv_real = s_kv_real;

@@ -366,7 +366,8 @@ def backward_note(config: AttnConfig, implementation: str) -> str:
         ("a score_mod", score_mod is not None),
         ("deterministic=True (it adds dq with atomics)", config.deterministic),
         ("causal, a window, padding lengths or packed segments beside the mask",
-         config.causal or bool(config.window) or config.is_padded or config.is_packed),
+         config.is_padded or config.is_packed or builtin.narrows(
+             config.s_q, config.s_kv, config.mask, config.window)),
         ("a mask_mod and a dense mask together", mask_mod is not None and config.has_dense_mask))
         if bad]
     if not why:   # (the arrays' own conditions: the kernel's `reason`, as the route asks)

@@ -128,7 +128,7 @@ def block_sparse_attention_backward(q, k, v, out, lse, d_out, block_map: BlockMa
                    constant_values=-jnp.inf)
     out, d_out = (_pad_tokens(x, whole, t) for x in (out, d_out))
     steps = _steps(fn, scale, score_fn[0], impl, mean_over, t == 0, q, k, values, ints,
-                   partitioned, fused)
+                   partitioned, fused, s_kv)
     dq, dk, dv, _, d_values, _ = _bwd(steps, (q, k, v, values, ints, out, lse2),
                                       (d_out, None))
     d_args = [None] * len(args)
@@ -153,7 +153,7 @@ def _call(q, k, v, bm, scale, score_mod, score_mod_args, implementation, unseen_
                            s_q, s_kv)
     ints += (flag,)
     steps = _steps(fn, scale, score, impl, mean_over, t == 0, q, k, values, ints,
-                   partitioned, fused)
+                   partitioned, fused, s_kv)
     out, lse2 = _attention(steps, q, k, v, v_real, values, ints)
     return _cut(out, s_q, t), lse2[..., :s_q]
 
@@ -172,6 +172,7 @@ class _Steps(NamedTuple):
     # only where a split is decided)
     reads: Optional[Callable[[], Tuple[bool, bool]]]
     fused: bool                # the backward runs `kernel_bwd_fused` (`_fused_mask`)
+    s_kv: int                  # keys before their padding to whole blocks
 
     def run(self, body, operands, dims):
         """``body(*operands)``, split by `sharded` where the call is partitioned;
@@ -200,7 +201,7 @@ class _Steps(NamedTuple):
 
 
 def _steps(fn, scale, score, impl, mean_over, seq_first, q, k, values, ints,
-           partitioned, fused=False) -> _Steps:
+           partitioned, fused: bool, s_kv: int) -> _Steps:
     shape, reads = None, None
     if partitioned and impl in PARTITIONED:
         b, _ = batch_tokens(q, seq_first)
@@ -212,7 +213,7 @@ def _steps(fn, scale, score, impl, mean_over, seq_first, q, k, values, ints,
             sharded.reads_numbers, fn, score, 0 if qa is None else qa.shape[1],
             0 if ka is None else ka.shape[1], dense is not None,
             tuple(0 if x is None else x.shape[2] for x in values)))
-    return _Steps(fn, scale, score, impl, mean_over, seq_first, shape, reads, fused)
+    return _Steps(fn, scale, score, impl, mean_over, seq_first, shape, reads, fused, s_kv)
 
 
 def _token_axis(layout: str) -> int:
@@ -395,7 +396,8 @@ def _bwd(steps: _Steps, res, cts):
                                             ) / steps.mean_over
         if steps.fused:
             dq, dk, dv = kernel_bwd_fused.backward(q, k, v, do, lse_delta, bwd_lists, qa, ka,
-                                                   dense, dv_add, scale=steps.scale)
+                                                   dense, dv_add, scale=steps.scale,
+                                                   s_kv=steps.s_kv)
             d_q_values = d_d_values = d_kv_values = None
         elif impl == "mosaic":
             dq, d_q_values, d_d_values = kernel_bwd.dq(q, k, v, do, lse_delta, fwd_lists, km,

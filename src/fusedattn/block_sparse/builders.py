@@ -186,13 +186,9 @@ def _merge_intervals(element: ElementMask) -> ElementMask:
     for t in intervals[1:]:
         merged = merged.intersect(t)
     # An all-visible interval adds nothing to another term's evaluation.
-    if others and merged.static and _covers_all(merged, element.s_kv):
+    if others and merged.static and builtin.covers_all(merged, element.s_kv):
         return ElementMask(others, element.s_q, element.s_kv)
     return ElementMask(others + [merged], element.s_q, element.s_kv)
-
-
-def _covers_all(iv: Intervals, s_kv: int) -> bool:
-    return bool(np.all(np.asarray(iv.lo) <= 0) and np.all(np.asarray(iv.hi) >= s_kv - 1))
 
 
 def _ids(ids):

@@ -70,6 +70,17 @@ def intervals(s_q: int, s_kv: int, mask: str = "none", window=None,
     raise ValueError(f"sequence.kind must be 'padding' or 'packed', got {sequence.kind!r}")
 
 
+def covers_all(iv: Intervals, s_kv: int) -> bool:
+    """Whether static intervals leave every key of every row visible."""
+    return bool(np.all(np.asarray(iv.lo) <= 0) and np.all(np.asarray(iv.hi) >= s_kv - 1))
+
+
+def narrows(s_q: int, s_kv: int, mask: str = "none", window=None) -> bool:
+    """Whether ``mask`` and ``window`` (no sequence) hide a pair of the grid: a window as
+    wide as the sequence hides none, and a map drops it."""
+    return not covers_all(intervals(s_q, s_kv, mask, window), s_kv)
+
+
 def in_segments(lo, hi, sequence: SequenceDescriptor) -> Intervals:
     """A mask of positions inside packed segments whose row at position ``r`` sees the
     keys at positions ``lo[r] .. hi[r]`` (host ``[s_q]``; lo > hi: none) as raw key

@@ -66,12 +66,12 @@ def visible(b, h, q, kv, qv, kvv, d):
 
 
 def backward(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *,
-             scale: float):
+             scale: float, s_kv: int):
     """(dq, dk, dv): dq in q's dtype, dk / dv per query head (the caller sums a GQA
     group). q, k, v, do bshd over whole blocks; `lse_delta` and `lists` (key-major) as
     the Mosaic kernels take them. The mask: the words of `words` (`q_words`,
-    `kv_words`) or packed `bits` (the other None). `dv_add` f32 [B, H, D] (or None) is
-    added to every key's dv."""
+    `kv_words`) or packed `bits` (the other None); the kernel hides keys at or past
+    `s_kv` itself. `dv_add` f32 [B, H, D] (or None) is added to every key's dv."""
     b, s, h, d = q.shape
     per_head = jax.ShapeDtypeStruct((b, k.shape[1], h, d), q.dtype)
     none = lambda x, dtype=jnp.int32: jnp.zeros((0,), dtype) if x is None else x
@@ -80,5 +80,5 @@ def backward(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *,
         vmap_method="sequential")(
         q, k, v, do, lse_delta, *lists, none(q_words), none(kv_words), none(bits),
         none(dv_add, jnp.float32), scale=np.float32(scale), causal=False,
-        s_kv_real=np.int32(k.shape[1]))
+        s_kv_real=np.int32(s_kv))
     return (dq * scale).astype(q.dtype), dk, dv
