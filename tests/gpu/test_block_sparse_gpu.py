@@ -207,7 +207,7 @@ def _dense_map(case, s, h):
         ids = doc_ids(1, s, [s // 8, s // 4, s // 8 + 40])
         m = (ids[:, :, None] == ids[:, None, :])[:, None]
     else:   # "rows that see no key": their mean's gradient added to dv in the kernel,
-        # and a whole query block no key block visits (its dq written as zeros)
+        # and a whole query block no key block visits (its dq stays zero)
         m = rng.random((B, 1, s, s)) < 0.5
         m[:, :, 5:9] = False
         m[:, :, 128:256] = False
