@@ -144,6 +144,18 @@ _ROUTES = {
 }
 
 
+def _stand_in(calls: list):
+    """A stand-in for the kernel (`kernel_bwd_fused.backward`) that records the mask
+    arrays, dv addend and key length of each call in `calls` and returns zeros."""
+    def kernel(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *, scale,
+               s_kv):
+        calls.append(dict(q_words=q_words, kv_words=kv_words, bits=bits, dv_add=dv_add,
+                          s_kv=s_kv))
+        per_head = jnp.zeros((*k.shape[:2], q.shape[2], q.shape[3]), q.dtype)
+        return jnp.zeros_like(q), per_head, per_head
+    return kernel
+
+
 @pytest.mark.parametrize("case", list(_ROUTES))
 def test_explain_and_the_call_agree_on_the_backward(hopper_reference, monkeypatch, case):
     """What explain() says the backward runs (from the config, before any array:
@@ -151,14 +163,8 @@ def test_explain_and_the_call_agree_on_the_backward(hopper_reference, monkeypatc
     `attention._fused_mask`), and the kernel gets the mask in the form said: the
     extension's presence faked, the kernel stood in for by one that records its mask."""
     monkeypatch.setattr(fused, "reason", lambda *a, **kw: None)
-    forms = []
-
-    def kernel(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *, scale,
-               s_kv):
-        forms.append("ids" if q_words is not None else "bits" if bits is not None else "?")
-        per_head = jnp.zeros((*k.shape[:2], q.shape[2], q.shape[3]), q.dtype)
-        return jnp.zeros_like(q), per_head, per_head
-    monkeypatch.setattr(fused, "backward", kernel)
+    calls = []
+    monkeypatch.setattr(fused, "backward", _stand_in(calls))
     drop_in, options, want = _ROUTES[case]
     call, explain = ((fusedattn.dot_product_attention, fusedattn.jax_nn.explain) if drop_in
                      else (fusedattn.fused_attn, fusedattn.explain))
@@ -169,6 +175,8 @@ def test_explain_and_the_call_agree_on_the_backward(hopper_reference, monkeypatc
     _, vjp = jax.vjp(lambda q: call(q, q, q, **options), q)
     vjp(q)
     text = str(plan)
+    forms = ["ids" if c["q_words"] is not None else "bits" if c["bits"] is not None else "?"
+             for c in calls]
     fused_form = want in ("ids", "bits")
     assert forms == ([want] if fused_form else []), (forms, text)
     if not fused_form:
@@ -190,22 +198,18 @@ def test_a_dense_mask_hands_the_kernel_its_bits(monkeypatch, unseen):
     q, k, v, do = (jax.random.normal(key, (b, s, h, 128), jnp.bfloat16)
                    for key in jax.random.split(jax.random.key(2), 4))
     ids = doc_ids(b, s, [40, 90, 30])
-    mask = np.broadcast_to(ids[:, None, :, None] == ids[:, None, None, :], (b, h, s, s)).copy()
+    mask = np.broadcast_to(np.asarray(_doc_mask(ids)), (b, h, s, s)).copy()
     if unseen:
         mask[:, :, 7] = False
     bm = bs.from_dense_mask(jnp.asarray(mask))
-    seen = {}
-
-    def kernel(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *, scale,
-               s_kv):
-        seen.update(q_words=q_words, kv_words=kv_words, bits=bits, dv_add=dv_add, s_kv=s_kv)
-        return (jnp.zeros_like(q), jnp.zeros((*k.shape[:2], q.shape[2], 128), q.dtype),
-                jnp.zeros((*k.shape[:2], q.shape[2], 128), q.dtype))
+    calls = []
     monkeypatch.setattr(fused, "reason", lambda *a, **kw: None)
-    monkeypatch.setattr(fused, "backward", kernel)
+    monkeypatch.setattr(fused, "backward", _stand_in(calls))
     _, vjp = jax.vjp(lambda q, k, v: block_sparse_attention(
         q, k, v, bm, implementation="reference", unseen_rows="mean"), q, k, v)
     vjp(do)
+    assert len(calls) == 1, calls
+    seen = calls[0]
     assert seen["q_words"] is None and seen["kv_words"] is None
     assert seen["s_kv"] == s   # (the kernel hides the keys padded to whole blocks)
     np.testing.assert_array_equal(np.asarray(seen["bits"]),

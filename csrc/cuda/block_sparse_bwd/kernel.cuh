@@ -10,8 +10,9 @@
 //     and each stages its f32 half of dQ in shared memory while dK runs;
 //   - a producer warpgroup: one thread loads K, V and each step's Q, dO, lse, delta and
 //     mask words (ids or a dense mask's bits) with TMA and bulk copies into a ring of
-//     stages (mbarriers say full / empty), and two warps reduce-add the staged dQ rows into the f32 dq buffer with bulk
-//     copies, so neither loads nor dQ's reduction stall the compute warpgroups.
+//     stages (mbarriers say full / empty), and two warps reduce-add the staged dQ rows
+//     into the f32 dq buffer with bulk copies, so neither loads nor dQ's reduction
+//     stall the compute warpgroups.
 // Measurement switches: FUSEDATTN_BSB_NO_DQ (neither dS's store nor dQ: the dK / dV
 // part alone), FUSEDATTN_BSB_SPLIT_WAIT (S^T and dP^T waited for apart: P^T and its
 // dV product run while dP^T is computed), FUSEDATTN_BSB_TURNS (with NO_DQ: the two
