@@ -3,6 +3,8 @@ oracle: every mask family of `support.block_sparse_cases`, with and without a
 score_mod, GQA and MHA, d 64 and 128, bf16 and fp16. Needs a Hopper GPU."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from support.block_sparse_cases import (FAMILIES, PACKED, SCORE_VALUE_MODS, bloc
                                         oracle, packed_case, rel_error, score_value_args)
 from fusedattn import block_sparse as bs
 from fusedattn.block_sparse import kernel_bwd_fused
+from fusedattn.block_sparse.documents import Documents
 from fusedattn.block_sparse.attention import (block_sparse_attention,
                                               block_sparse_attention_with_lse,
                                               choose_implementation)
@@ -197,6 +200,28 @@ def test_documents_backward_runs_the_fused_kernel(case, dtype, s):
     assert kernel_bwd_fused.TARGET in _gradients(q, k, v, do, bm, lower=True)
     _check_map(bm, q, k, v, do)
     _check_map(bm, q, k, v, do, deterministic=True)   # (the Mosaic kernels, same mask)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("dv_add", "dv_add must be [B, H, 128]"), ("s_kv", "s_kv_real must be in [1, S_kv]"),
+    ("full lists", "the full lists must match the partial ones")])
+def test_the_fused_kernel_refuses_bad_buffers_with_an_error(bad, message):
+    """The native handler checks every buffer before it launches: a mismatch reaches
+    Python as an error naming the rule, not a fault."""
+    q, k, v, do = _fused_inputs(jnp.bfloat16, S)
+    ids = jnp.asarray(doc_ids(B, S, [100, 200, 212]))
+    bm = bs.from_segment_ids(ids)
+    lists = [jnp.asarray(x, jnp.int32) for x in (bm.q_num_blocks, bm.q_indices,
+                                                 bm.full_q_num_blocks, bm.full_q_indices)]
+    if bad == "full lists":
+        lists[3] = lists[3][..., :1]
+    q_words, kv_words = kernel_bwd_fused.words(Documents(ids, ids, None, None), S, S)
+    lse_delta = jnp.zeros((B, q.shape[2], 2, S), jnp.float32)
+    dv_add = jnp.zeros((B, q.shape[2], 64 if bad == "dv_add" else 128), jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape(message)):
+        jax.block_until_ready(kernel_bwd_fused.backward(
+            q, k, v, do, lse_delta, lists, q_words, kv_words, None, dv_add, scale=0.1,
+            s_kv=S + 1 if bad == "s_kv" else S))
 
 
 def _dense_map(case, s, h):

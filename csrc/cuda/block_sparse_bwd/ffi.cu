@@ -67,11 +67,16 @@ std::string launch(cudaStream_t stream, const BwdParams& p) {
   return e == cudaSuccess ? std::string() : std::string("launch: ") + cudaGetErrorString(e);
 }
 
+// Every buffer's shape and dtype, and the attributes' ranges, checked before anything
+// runs; p gets the sizes and broadcast flags.
 std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                   const ffi::AnyBuffer& d_o, const ffi::Buffer<ffi::F32>& lse_delta,
                   const ffi::Buffer<ffi::S32>& q_num, const ffi::Buffer<ffi::S32>& q_idx,
+                  const ffi::Buffer<ffi::S32>& full_num, const ffi::Buffer<ffi::S32>& full_idx,
                   const ffi::AnyBuffer& q_words, const ffi::AnyBuffer& kv_words,
-                  const ffi::AnyBuffer& bits, BwdParams& p) {
+                  const ffi::AnyBuffer& bits, const ffi::Buffer<ffi::F32>& dv_add,
+                  const ffi::Buffer<ffi::F32>& dq_acc, const ffi::AnyBuffer& dk,
+                  const ffi::AnyBuffer& dv, int32_t s_kv_real, BwdParams& p) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return "q, k must be [B, S, H, D]";
   p.B = int(qd[0]); p.S = int(qd[1]); p.H = int(qd[2]);
@@ -91,6 +96,10 @@ std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   if (ld[2] != p.n_kv || li[3] != p.n_q) return "the lists do not fit the sequence lengths";
   if ((ld[0] != 1 && ld[0] != p.B) || (ld[1] != 1 && ld[1] != p.H)) return "lists' batch / head axes";
   p.list_b = ld[0] != 1; p.list_h = ld[1] != 1;
+  if (full_num.element_count() != q_num.element_count() ||
+      full_idx.element_count() != q_idx.element_count())
+    return "the full lists must match the partial ones";
+  if (s_kv_real < 1 || s_kv_real > p.S_kv) return "s_kv_real must be in [1, S_kv]";
   if (q_words.element_count() > 0) {
     auto wq = q_words.dimensions(), wk = kv_words.dimensions();
     if (wq.size() != 3 || wk.size() != 3 || wq[1] != 2 || wk[1] != 2 || wq[2] != p.S ||
@@ -109,6 +118,17 @@ std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
     if (q_words.element_count() > 0) return "ids and bits are one mask or the other";
     p.bits_b = bd[0] != 1; p.bits_h = bd[1] != 1;
   }
+  if (dv_add.element_count() > 0) {
+    auto ad = dv_add.dimensions();
+    if (ad.size() != 3 || ad[0] != p.B || ad[1] != p.H || ad[2] != kDim)
+      return "dv_add must be [B, H, 128]";
+  }
+  if (dq_acc.element_count() != q.element_count() ||
+      dk.element_count() != q.element_count() / p.S * p.S_kv ||
+      dv.element_count() != dk.element_count())
+    return "dq_acc must be [B, S, H, D]; dk, dv [B, S_kv, H, D]";
+  if (dk.element_type() != q.element_type() || dv.element_type() != q.element_type())
+    return "dk and dv must have q's dtype";
   return {};
 }
 
@@ -120,16 +140,8 @@ ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                ffi::Result<ffi::Buffer<ffi::F32>> dq_acc, ffi::Result<ffi::AnyBuffer> dk,
                ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal, int32_t s_kv_real) {
   BwdParams p{};
-  std::string err = check(q, k, v, d_o, lse_delta, q_num, q_idx, q_words, kv_words, bits, p);
-  if (err.empty() && (full_num.element_count() != q_num.element_count() ||
-                      full_idx.element_count() != q_idx.element_count()))
-    err = "the full lists must match the partial ones";
-  if (err.empty() && (dq_acc->element_count() != q.element_count() ||
-                      dk->element_count() != q.element_count() / p.S * p.S_kv ||
-                      dv->element_count() != dk->element_count()))
-    err = "dq_acc must be [B, S, H, D]; dk, dv [B, S_kv, H, D]";
-  if (err.empty() && (dk->element_type() != q.element_type() || dv->element_type() != q.element_type()))
-    err = "dk and dv must have q's dtype";
+  std::string err = check(q, k, v, d_o, lse_delta, q_num, q_idx, full_num, full_idx, q_words,
+                          kv_words, bits, dv_add, *dq_acc, *dk, *dv, s_kv_real, p);
   if (!err.empty()) return ffi::Error::InvalidArgument("fusedattn_block_sparse_bwd: " + err);
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data(); p.dout = d_o.untyped_data();
   p.lse_delta = lse_delta.typed_data();
@@ -139,11 +151,6 @@ ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   p.q_words = ids ? static_cast<const int32_t*>(q_words.untyped_data()) : nullptr;
   p.kv_words = ids ? static_cast<const int32_t*>(kv_words.untyped_data()) : nullptr;
   p.bits = bits.element_count() > 0 ? static_cast<const int32_t*>(bits.untyped_data()) : nullptr;
-  if (dv_add.element_count() > 0) {
-    auto ad = dv_add.dimensions();
-    if (ad.size() != 3 || ad[0] != p.B || ad[1] != p.H || ad[2] != kDim)
-      return ffi::Error::InvalidArgument("fusedattn_block_sparse_bwd: dv_add must be [B, H, 128]");
-  }
   p.dv_add = dv_add.element_count() > 0 ? dv_add.typed_data() : nullptr;
   p.dq_acc = dq_acc->typed_data(); p.dk = dk->untyped_data(); p.dv = dv->untyped_data();
   p.scale = scale; p.causal = causal; p.s_kv_real = s_kv_real;
