@@ -204,11 +204,14 @@ def test_documents_backward_runs_the_fused_kernel(case, dtype, s):
 
 @pytest.mark.parametrize("bad, message", [
     ("dv_add", "dv_add must be [B, H, 128]"), ("s_kv", "s_kv_real must be in [1, S_kv]"),
-    ("full lists", "the full lists must match the partial ones")])
+    ("full lists", "the full lists must match the partial ones"),
+    ("dtype", "q must be bfloat16 or float16")])
 def test_the_fused_kernel_refuses_bad_buffers_with_an_error(bad, message):
     """The native handler checks every buffer before it launches: a mismatch reaches
     Python as an error naming the rule, not a fault."""
     q, k, v, do = _fused_inputs(jnp.bfloat16, S)
+    if bad == "dtype":
+        q, k, v, do = (x.astype(jnp.float32) for x in (q, k, v, do))
     ids = jnp.asarray(doc_ids(B, S, [100, 200, 212]))
     bm = bs.from_segment_ids(ids)
     lists = [jnp.asarray(x, jnp.int32) for x in (bm.q_num_blocks, bm.q_indices,

@@ -81,7 +81,11 @@ std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
   if (qd.size() != 4 || kd.size() != 4) return "q, k must be [B, S, H, D]";
   p.B = int(qd[0]); p.S = int(qd[1]); p.H = int(qd[2]);
   p.S_kv = int(kd[1]); p.H_kv = int(kd[2]);
+  if (p.B < 1 || p.S < 1 || p.H < 1 || p.S_kv < 1 || p.H_kv < 1)
+    return "q, k must have a batch row, a token and a head";
   if (qd[3] != kDim || kd[3] != kDim) return "the head dim must be 128";
+  if (q.element_type() != ffi::DataType::BF16 && q.element_type() != ffi::DataType::F16)
+    return "q must be bfloat16 or float16";
   if (kd[0] != p.B || p.H % p.H_kv || p.S % kKeys || p.S_kv % kKeys)
     return "k must be [B, S_kv, H_kv, 128] with H % H_kv == 0 and S, S_kv multiples of 128";
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type() ||
@@ -160,7 +164,7 @@ ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   switch (q.element_type()) {
     case ffi::DataType::BF16: err = launch<cutlass::bfloat16_t>(stream, p); break;
     case ffi::DataType::F16: err = launch<cutlass::half_t>(stream, p); break;
-    default: err = "q must be bfloat16 or float16";
+    default: err = "q must be bfloat16 or float16";   // (check() refused it already)
   }
   return err.empty() ? ffi::Error::Success() : ffi::Error::Internal("fusedattn_block_sparse_bwd: " + err);
 }
