@@ -15,10 +15,10 @@ from support.block_sparse_cases import (FAMILIES, PACKED, SCORE_VALUE_MODS, bloc
                                         oracle, packed_case, rel_error, score_value_args)
 from fusedattn import block_sparse as bs
 from fusedattn.block_sparse import kernel_bwd_fused
-from fusedattn.block_sparse.documents import Documents
 from fusedattn.block_sparse.attention import (block_sparse_attention,
                                               block_sparse_attention_with_lse,
                                               choose_implementation)
+from fusedattn.block_sparse.documents import Documents
 
 pytestmark = pytest.mark.gpu
 
