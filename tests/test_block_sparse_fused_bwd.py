@@ -64,6 +64,22 @@ def test_reason_names_what_keeps_a_call_off_the_kernel(monkeypatch, shape, dtype
     assert got is not None and why in got, got
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 5), (1, 3, 5), (2, 1, 5), (1, 1, 5)])
+def test_the_launch_order_lists_every_tile_once_longest_walk_first(shape):
+    """The kernel's CTA i runs tile order[i], decoded as (b * H + h) * n_kv + kb: a
+    permutation of every tile, by walk length (partial and full blocks) descending,
+    with lists that vary along the batch or heads or broadcast."""
+    rng = np.random.default_rng(0)
+    b, h, n = 2, 3, 5
+    num, full = (rng.integers(0, 4, shape) for _ in range(2))
+    lists = (jnp.asarray(num, jnp.int32), None, jnp.asarray(full, jnp.int32), None)
+    order = np.asarray(fused.launch_order(lists, b, h))
+    assert order.dtype == np.int32 and sorted(order.tolist()) == list(range(b * h * n))
+    kb, hh, bb = order % n, order // n % h, order // (n * h)
+    steps = np.broadcast_to(num + full, (b, h, n))[bb, hh, kb]
+    assert (np.diff(steps) <= 0).all(), steps
+
+
 def test_deterministic_must_be_a_bool():
     q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
     bm = fusedattn.block_sparse.from_segment_ids(jnp.zeros((1, 128), jnp.int32))

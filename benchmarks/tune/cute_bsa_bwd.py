@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
+import itertools
 import os
 import re
 import subprocess
@@ -39,7 +40,7 @@ import numpy as np
 from benchmarks.common import time_interleaved
 from benchmarks.tune.bsa_inputs import backward_inputs
 from fusedattn import block_sparse as bs
-from fusedattn.block_sparse import kernel_bwd
+from fusedattn.block_sparse import kernel_bwd, kernel_bwd_fused
 
 B, S, H, D = 4, 4096, 16, 128
 DOCS = (512, 1024, 512, 2048)
@@ -169,22 +170,28 @@ def main():
             ref = [np.asarray(x, np.float32) for x in mosaic(*args)]
             if timed:
                 calls["mosaic (dq + dk/dv kernels)"] = (mosaic, args)
-            for i, label in enumerate(builds):
+            # (the key blocks' CTAs longest walk first, as the package runs them, or in
+            # index order)
+            orders = {"": kernel_bwd_fused.launch_order(by_kv, B, H),
+                      ", CTAs in index order": jnp.arange(B * H * (S // 128), dtype=jnp.int32)}
+            for (i, label), (suffix, order) in itertools.product(enumerate(builds),
+                                                                 orders.items()):
                 def cute(q, k, v, do, lse_delta, target=f"fusedattn_cute_bsa_bwd_{i}",
-                         by_kv=by_kv, words=words, causal=causal, s_kv_real=s_kv_real):
+                         by_kv=by_kv, words=words, causal=causal, s_kv_real=s_kv_real,
+                         order=order):
                     per_head = jax.ShapeDtypeStruct((B, S, H, D), q.dtype)
                     dq, dk, dv = jax.ffi.ffi_call(
                         target, (jax.ShapeDtypeStruct((B, S, H, D), jnp.float32), per_head,
                                  per_head))(
-                        q, k, v, do, lse_delta, *by_kv, words, words, NO_BITS, NO_ADD,
+                        q, k, v, do, lse_delta, *by_kv, words, words, NO_BITS, NO_ADD, order,
                         scale=np.float32(scale),
                         causal=causal, s_kv_real=np.int32(s_kv_real))
                     return (dq * scale).astype(q.dtype), dk, dv
                 fn = jax.jit(cute)
-                _check(f"{case} / {label}", fn(*args), ref, ids, pad_id,
+                _check(f"{case} / {label}{suffix}", fn(*args), ref, ids, pad_id,
                        label.startswith("whole kernel"))
                 if timed:
-                    calls[label] = (fn, args)
+                    calls[label + suffix] = (fn, args)
         # What every CuTe build pays outside its kernel: dq's f32 buffer scaled to bf16.
         calls["dq's conversion alone"] = (jax.jit(lambda x: (x * scale).astype(jnp.bfloat16)),
                                           (jnp.zeros((B, S, H, D), jnp.float32),))

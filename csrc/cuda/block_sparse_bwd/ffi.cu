@@ -61,7 +61,7 @@ std::string launch(cudaStream_t stream, const BwdParams& p) {
     std::string e = tensor_map(map, base, tokens, heads, bf16);
     if (!e.empty()) return e;
   }
-  dim3 grid(p.n_kv, p.H, p.B);
+  dim3 grid(p.n_kv * p.H * p.B);
   kernel<<<grid, kThreads, smem, stream>>>(p, maps);
   cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? std::string() : std::string("launch: ") + cudaGetErrorString(e);
@@ -75,8 +75,9 @@ std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
                   const ffi::Buffer<ffi::S32>& full_num, const ffi::Buffer<ffi::S32>& full_idx,
                   const ffi::AnyBuffer& q_words, const ffi::AnyBuffer& kv_words,
                   const ffi::AnyBuffer& bits, const ffi::Buffer<ffi::F32>& dv_add,
-                  const ffi::Buffer<ffi::F32>& dq_acc, const ffi::AnyBuffer& dk,
-                  const ffi::AnyBuffer& dv, int32_t s_kv_real, BwdParams& p) {
+                  const ffi::Buffer<ffi::S32>& order, const ffi::Buffer<ffi::F32>& dq_acc,
+                  const ffi::AnyBuffer& dk, const ffi::AnyBuffer& dv, int32_t s_kv_real,
+                  BwdParams& p) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return "q, k must be [B, S, H, D]";
   p.B = int(qd[0]); p.S = int(qd[1]); p.H = int(qd[2]);
@@ -127,6 +128,8 @@ std::string check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::A
     if (ad.size() != 3 || ad[0] != p.B || ad[1] != p.H || ad[2] != kDim)
       return "dv_add must be [B, H, 128]";
   }
+  if (order.element_count() != size_t(p.B) * p.H * p.n_kv)
+    return "order must list the B * H * n_kv tiles";
   if (dq_acc.element_count() != q.element_count() ||
       dk.element_count() != q.element_count() / p.S * p.S_kv ||
       dv.element_count() != dk.element_count())
@@ -140,12 +143,12 @@ ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
                ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> lse_delta, ffi::Buffer<ffi::S32> q_num,
                ffi::Buffer<ffi::S32> q_idx, ffi::Buffer<ffi::S32> full_num,
                ffi::Buffer<ffi::S32> full_idx, ffi::AnyBuffer q_words, ffi::AnyBuffer kv_words,
-               ffi::AnyBuffer bits, ffi::Buffer<ffi::F32> dv_add,
+               ffi::AnyBuffer bits, ffi::Buffer<ffi::F32> dv_add, ffi::Buffer<ffi::S32> order,
                ffi::Result<ffi::Buffer<ffi::F32>> dq_acc, ffi::Result<ffi::AnyBuffer> dk,
                ffi::Result<ffi::AnyBuffer> dv, float scale, bool causal, int32_t s_kv_real) {
   BwdParams p{};
   std::string err = check(q, k, v, d_o, lse_delta, q_num, q_idx, full_num, full_idx, q_words,
-                          kv_words, bits, dv_add, *dq_acc, *dk, *dv, s_kv_real, p);
+                          kv_words, bits, dv_add, order, *dq_acc, *dk, *dv, s_kv_real, p);
   if (!err.empty()) return ffi::Error::InvalidArgument("fusedattn_block_sparse_bwd: " + err);
   p.q = q.untyped_data(); p.k = k.untyped_data(); p.v = v.untyped_data(); p.dout = d_o.untyped_data();
   p.lse_delta = lse_delta.typed_data();
@@ -156,6 +159,7 @@ ffi::Error bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Any
   p.kv_words = ids ? static_cast<const int32_t*>(kv_words.untyped_data()) : nullptr;
   p.bits = bits.element_count() > 0 ? static_cast<const int32_t*>(bits.untyped_data()) : nullptr;
   p.dv_add = dv_add.element_count() > 0 ? dv_add.typed_data() : nullptr;
+  p.order = order.typed_data();
   p.dq_acc = dq_acc->typed_data(); p.dk = dk->untyped_data(); p.dv = dv->untyped_data();
   p.scale = scale; p.causal = causal; p.s_kv_real = s_kv_real;
   cudaError_t z = cudaMemsetAsync(p.dq_acc, 0, dq_acc->size_bytes(), stream);
@@ -188,6 +192,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FusedattnBlockSparseBwd, ::fusedattn::block_sparse
                                   .Arg<ffi::AnyBuffer>()              // kv_words
                                   .Arg<ffi::AnyBuffer>()              // bits (empty: no dense mask)
                                   .Arg<ffi::Buffer<ffi::F32>>()       // dv_add (empty: none)
+                                  .Arg<ffi::Buffer<ffi::S32>>()       // order
                                   .Ret<ffi::Buffer<ffi::F32>>()       // dq_acc
                                   .Ret<ffi::AnyBuffer>()              // dk
                                   .Ret<ffi::AnyBuffer>()              // dv

@@ -58,6 +58,8 @@ struct BwdParams {
   const int32_t* full_idx;       // [Lb, Lh, n_kv, n_q]
   const float* dv_add;           // [B, H, D], added to every key's dV (null: none): the
                                  // gradient of a mean of v given to rows that see no key
+  const int32_t* order;          // [B * H * n_kv]: CTA i runs tile order[i], a permutation
+                                 // of (b * H + h) * n_kv + kb
   float* dq_acc;                 // [B, S, H, D], zeroed
   void* dk;                      // [B, S_kv, H, D] per query head
   void* dv;
@@ -141,7 +143,10 @@ block_sparse_bwd_kernel(BwdParams p, const __grid_constant__ BwdMaps maps) {
   Smem& s = *reinterpret_cast<Smem*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
 
   const int tid = threadIdx.x, wg = tid / 128, wt = tid % 128;
-  const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  // The GPU starts CTAs in index order and `order` lists the longest walks first, so
+  // the last CTAs to start are short ones and few SMs idle while the rest finish.
+  const int tile = p.order[blockIdx.x];
+  const int kb = tile % p.n_kv, h = (tile / p.n_kv) % p.H, b = tile / (p.n_kv * p.H);
   const int h_kv = h / (p.H / p.H_kv);
 
   // This key block's query blocks: the partial ones, then the full ones.

@@ -65,6 +65,15 @@ def visible(b, h, q, kv, qv, kvv, d):
     return (qv[0] == kvv[0]) & (qv[1] != 0) & (kvv[1] != 0)
 
 
+def launch_order(lists, b: int, h: int):
+    """The kernel's tiles (key blocks of each batch row and head) longest walk first:
+    int32 ``[b * h * n_kv]`` of ``(b_i * h + h_i) * n_kv + kb``, the key-major `lists`'
+    partial and full counts summed (the lists may broadcast over batch and heads)."""
+    num, _, full_num, _ = lists
+    steps = jnp.broadcast_to(num + full_num, (b, h, num.shape[-1])).reshape(-1)
+    return jnp.argsort(-steps, stable=True).astype(jnp.int32)
+
+
 def backward(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *,
              scale: float, s_kv: int):
     """(dq, dk, dv): dq in q's dtype, dk / dv per query head (the caller sums a GQA
@@ -79,6 +88,6 @@ def backward(q, k, v, do, lse_delta, lists, q_words, kv_words, bits, dv_add, *,
         TARGET, (jax.ShapeDtypeStruct(q.shape, jnp.float32), per_head, per_head),
         vmap_method="sequential")(
         q, k, v, do, lse_delta, *lists, none(q_words), none(kv_words), none(bits),
-        none(dv_add, jnp.float32), scale=np.float32(scale), causal=False,
-        s_kv_real=np.int32(s_kv))
+        none(dv_add, jnp.float32), launch_order(lists, b, h), scale=np.float32(scale),
+        causal=False, s_kv_real=np.int32(s_kv))
     return (dq * scale).astype(q.dtype), dk, dv
