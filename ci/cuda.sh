@@ -3,7 +3,11 @@
 # Works the same on a CUDA CI runner and by hand (and through the device tool).
 # With two or more GPUs the sharding tests (tests/gpu/test_sharding_gpu.py) and
 # benchmarks/bench_sharding.py run too; with one they skip and say so.
-#   ci/cuda.sh [all|build|test|bench|sharding] [extra pytest args...]
+#   ci/cuda.sh [all|build|test|parallel|bench|sharding] [extra pytest args...]
+# "parallel": the GPU tests but the sharding ones as PER_GPU (default 4) processes on
+# each GPU, each a FUSEDATTN_GPU_SHARD with its own plan cache and a share of GPU
+# memory; most of a GPU test's time is compiling on the host, which this spreads over
+# its cores. SHARD_TIMEOUT (seconds) ends a shard with pytest's own summary.
 # "sharding" (2 or more GPUs): the sharding tests on all GPUs, then on the first two
 # where there are more (SHARDING_ON_TWO=0 skips that), then bench_sharding; it goes on
 # past failures and exits non-zero after. Its time on a 4-GPU machine is in
@@ -51,6 +55,20 @@ python3 -m fusedattn info | tee "$log_dir/info.txt"
 
 if [[ $step == all || $step == test ]]; then
   python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider "$@" 2>&1 | tee "$log_dir/gpu-tests.log"
+fi
+if [[ $step == parallel ]]; then
+  ngpu=$(nvidia-smi -L | wc -l); per=${PER_GPU:-4}; n=$(( ngpu * per )); rc=0
+  for (( i = 0; i < n; i++ )); do
+    CUDA_VISIBLE_DEVICES=$(( i % ngpu )) FUSEDATTN_GPU_SHARD=$i/$n \
+      FUSEDATTN_CACHE_DIR=$(mktemp -d /tmp/fusedattn-cache.XXXX) \
+      XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $per, 3))") \
+      timeout -s INT "${SHARD_TIMEOUT:-3600}" python3 -m pytest -v -rfEs -m gpu tests/gpu \
+      --ignore=tests/gpu/test_sharding_gpu.py -p no:cacheprovider "$@" \
+      > "$log_dir/gpu-shard-$i.log" 2>&1 &
+  done
+  for (( i = 0; i < n; i++ )); do wait -n || rc=1; done
+  grep -h -E "^(FAILED|ERROR)|^=+ .* in [0-9.]+s" "$log_dir"/gpu-shard-*.log || true
+  exit $rc
 fi
 if [[ $step == sharding ]]; then
   rc=0
