@@ -169,14 +169,40 @@ def test_a_t5_table_runs_here_with_its_gradient(route):
     assert rel_error(np.asarray(got[3]), ref[3]) < TOL_GRAD
 
 
-def test_a_score_mod_reading_per_head_values_alone_stays_with_cudnn(route):
-    """ALiBi slopes read by the head: cuDNN's graph takes them, so block_sparse leaves
-    a call without a mask it must run to cudnn."""
+def test_a_score_mod_alone_stays_with_cudnn_where_cudnn_runs_it(route, monkeypatch):
+    """ALiBi slopes read by the head, no mask_mod: cuDNN's graph takes them (here its
+    support check is patched to say so), so block_sparse leaves the call to cudnn."""
+    monkeypatch.setattr(dispatch.load_backend("cudnn"), "supports", lambda config: None)
     q, k, v, _ = _qkvo()
     alibi = lambda s, b, h, i, j, sl: s + sl[h] * (j - i).astype(s.dtype)  # noqa: E731
     plan = fusedattn.explain(q, k, v, mask="causal", score_mod=alibi,
                              score_mod_args=(jnp.linspace(0.1, 0.5, H),))
-    assert "reading arrays by position" in dict(plan.reasons)["block_sparse"]
+    _route(plan, "cudnn")
+    if route == "block_sparse":
+        assert dict(plan.reasons)["block_sparse"].startswith(
+            "cudnn runs this call (faster); block_sparse takes it where cudnn cannot"), str(plan)
+    # (named, the kernels run it)
+    assert fusedattn.explain(q, k, v, mask="causal", score_mod=alibi, backend="block_sparse",
+                             score_mod_args=(jnp.linspace(0.1, 0.5, H),)).chosen == (
+        "block_sparse" if route == "block_sparse" else None)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_a_score_mod_cudnn_refuses_runs_on_the_kernels_not_xla(route, mask):
+    """Clipping the scores, whose backward cuDNN's engines refuse, and a rounded position
+    term its lowering has no operation for: on Hopper the kernels run them (here cuDNN
+    has no extension, so it refuses everything); elsewhere XLA does."""
+    q, k, v, do = _qkvo()
+
+    def clip_round(s, b, h, i, j):
+        return jnp.clip(s, -1.5, 1.5) + 0.25 * jnp.round(((i - j) % 7).astype(s.dtype) / 3)
+    options = dict(score_mod=clip_round, mask=mask)
+    _route(fusedattn.explain(q, k, v, **options),
+           "block_sparse" if route == "block_sparse" else "xla")
+    got = _run(lambda q, k, v: fusedattn.fused_attn(q, k, v, **options), q, k, v, do, jit=True)
+    ref = oracle.attention(*(np.asarray(x, np.float64) for x in (q, k, v)), mask=mask,
+                           score_mod=clip_round, d_out=np.asarray(do, np.float64))
+    _check(got, (ref.out, ref.dq, ref.dk, ref.dv))
 
 
 def test_a_score_mod_that_reads_no_array_runs_in_the_kernel(route):

@@ -1,18 +1,20 @@
-"""Fuzzed score_mods / mask_mods (tests/flex_fuzz.py) on cuDNN: forward and every
-gradient (q, k, v, float score_mod_args) of `fused_attn(..., backend="cudnn")`
-against the XLA backend on the same bf16 inputs, and where the two differ, against the
+"""Fuzzed score_mods / mask_mods (tests/flex_fuzz.py) on cuDNN and on the block-sparse
+kernels: forward and every gradient (q, k, v, float score_mod_args) of
+`fused_attn(..., backend=...)` against the XLA backend on the same bf16 inputs, and where the two differ, against the
 float64 oracle (tests/test_flex_fuzz.py ties the lowering to the function). A program
-float32 cannot resolve (XLA as far from the oracle as cuDNN, or the oracle itself moved
+float32 cannot resolve (XLA as far from the oracle as the backend, or the oracle itself moved
 past the tolerance when the scores move by 8 float32 ulps) is counted ill-conditioned,
 and listed.
 A program either matches, or is refused with the reason in explain() before any
 kernel runs; a mismatch or a crash fails. Counts go to
-$FUSEDATTN_FUZZ_OUT/flex_fuzz_gpu.json (tried, ran on cuDNN, refused by reason,
-mismatched) for benchmarks/results/.
+$FUSEDATTN_FUZZ_OUT/flex_fuzz_gpu_<backend>.json (tried, ran, refused by reason,
+mismatched) for benchmarks/results/. The block-sparse kernels (Mosaic GPU, Hopper) are
+where `auto` sends the programs cuDNN refuses that have an in-kernel form.
 
     FUSEDATTN_FUZZ_OUT=$OUT pytest -q -s tests/gpu/test_flex_fuzz_gpu.py
 
-FUSEDATTN_FUZZ_GPU_COUNT (default 500) and FUSEDATTN_FUZZ_SEED choose the programs;
+FUSEDATTN_FUZZ_GPU_COUNT (default 500 on cuDNN; 100 on the block-sparse kernels, whose
+Mosaic GPU kernels take seconds each to compile) and FUSEDATTN_FUZZ_SEED choose the programs;
 FUSEDATTN_FUZZ_THREADS (default 4; 1 if a GPU run shows a race) how many programs compile at once;
 FUSEDATTN_FUZZ_VERBOSE=1 prints each program before it runs."""
 from __future__ import annotations
@@ -37,7 +39,8 @@ from fusedattn import score_mods
 
 pytestmark = pytest.mark.gpu
 
-COUNT = int(os.environ.get("FUSEDATTN_FUZZ_GPU_COUNT", "500"))
+COUNTS = {"cudnn": 500, "block_sparse": 100}
+COUNT = int(os.environ.get("FUSEDATTN_FUZZ_GPU_COUNT", "0"))
 SEED = int(os.environ.get("FUSEDATTN_FUZZ_SEED", "0"))
 THREADS = int(os.environ.get("FUSEDATTN_FUZZ_THREADS", "4"))
 VERBOSE = os.environ.get("FUSEDATTN_FUZZ_VERBOSE") == "1"
@@ -53,16 +56,16 @@ def _inputs(program: ff.Program, rng: np.random.Generator):
             normal(B, S, H, D), ff.arg_values(rng, B, H))
 
 
-def _compiled(program: ff.Program):
-    """(program, explain's plan, compiled fwd+vjp of both backends, inputs) or the
+def _compiled(program: ff.Program, backend: str):
+    """(program, explain's plan, compiled fwd+vjp of `backend` and xla, inputs) or the
     exception: everything up to running a kernel."""
     try:
         rng = np.random.default_rng(SEED * 100003 + program.index)
         q, k, v, d_out, args = _inputs(program, rng)
         options, _ = ff.call_options(program, S)
-        # cuDNN's plan, asked for by name: `auto` may prefer block_sparse for a mask_mod.
-        plan = fusedattn.explain(q, k, v, score_mod_args=args, backend="cudnn", **options)
-        if plan.chosen != "cudnn":
+        # The backend's plan, asked for by name (`auto` may prefer another).
+        plan = fusedattn.explain(q, k, v, score_mod_args=args, backend=backend, **options)
+        if plan.chosen != backend:
             return program, plan, None, None
         floats = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
 
@@ -78,7 +81,7 @@ def _compiled(program: ff.Program):
                 out, vjp = jax.vjp(f, q, k, v, fa)
                 return (out,) + tuple(vjp(d_out))
             return run
-        both = jax.jit(lambda *a: (grads("cudnn")(*a), grads("xla")(*a)))
+        both = jax.jit(lambda *a: (grads(backend)(*a), grads("xla")(*a)))
         call = (q, k, v, [args[i] for i in floats], d_out)
         return program, plan, both.lower(*call).compile(), call
     except Exception as e:  # noqa: BLE001  (reported as a failure below)
@@ -126,53 +129,60 @@ def _oracle(program: ff.Program, call, options, lengths):
     return reference(mod), reference(nudged)
 
 
-def test_fuzzed_programs_on_cudnn_match_xla():
+@pytest.mark.parametrize("backend", ["cudnn", "block_sparse"])
+def test_fuzzed_programs_match_xla(backend):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     start = time.time()
     counts, refusals, failures, ill = collections.Counter(), collections.Counter(), [], []
     tol = ac.TOLERANCE["bfloat16"]
-    programs = ff.draw(COUNT, seed=SEED)
+    count = COUNT or COUNTS[backend]
+    programs = ff.draw(count, seed=SEED)
     with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
-        for program, plan, compiled, call in pool.map(_compiled, programs):
+        for program, plan, compiled, call in pool.map(lambda p: _compiled(p, backend),
+                                                       programs):
             counts["tried"] += 1
+            if counts["tried"] % 25 == 0:
+                print("after", counts["tried"], dict(counts), flush=True)
             if isinstance(plan, Exception):
                 counts["errors"] += 1
                 failures.append(f"{program.describe()}: {type(plan).__name__}: {plan}"[:500])
+                print("FAILED:", failures[-1], flush=True)  # (kept if the run is cut short)
                 continue
             if compiled is None:  # refused before any kernel ran, with its reason
-                reason = dict(plan.reasons).get("cudnn", "")
+                reason = dict(plan.reasons).get(backend, "")
                 assert reason, (program.describe(), str(plan))
                 refusals[reason.split(":")[0][:60] + ": " + reason.split(":")[-1][:80]] += 1
                 continue
-            counts["ran on cudnn"] += 1
+            counts[f"ran on {backend}"] += 1
             if VERBOSE:  # the last line names the program a crash happened in
                 print("running", program.describe(), flush=True)
             got, want = compiled(*call)
             error = _compare(got, want)
             if error < tol:
                 continue
-            # Off from XLA: the float64 oracle decides. cuDNN within tolerance of it is a
-            # match; where XLA (float32 too) is as far off, float32 cannot resolve the
-            # program (catastrophic cancellation, saturated softmax): ill-conditioned.
+            # Off from XLA: the float64 oracle decides. The backend within tolerance of it
+            # is a match; where XLA (float32 too) is as far off, float32 cannot resolve
+            # the program (catastrophic cancellation, saturated softmax): ill-conditioned.
             options, lengths = ff.call_options(program, S)
             ref, ref_nudged = _oracle(program, call, options, lengths)
-            cudnn_error, xla_error = _compare(got, ref), _compare(want, ref)
+            error_of_backend, xla_error = _compare(got, ref), _compare(want, ref)
             spread = _compare(ref_nudged, ref)
-            if cudnn_error < tol:
+            if error_of_backend < tol:
                 counts["matched the oracle, not XLA"] += 1
             elif not xla_error < tol or not spread < tol:
                 counts["ill-conditioned in float32"] += 1
-                ill.append(f"{program.describe()}: cuDNN {cudnn_error:.3g}, XLA {xla_error:.3g}"
-                           f" from the float64 oracle; scores moved by 8 ulps move it "
-                           f"{spread:.3g}")
+                ill.append(f"{program.describe()}: {backend} {error_of_backend:.3g}, XLA "
+                           f"{xla_error:.3g} from the float64 oracle; scores moved by 8 ulps "
+                           f"move it {spread:.3g}")
             else:
                 counts["mismatched"] += 1
-                failures.append(f"{program.describe()}: relative error {cudnn_error:.3g} "
+                failures.append(f"{program.describe()}: relative error {error_of_backend:.3g} "
                                 f"from the float64 oracle (XLA {xla_error:.3g})")
+                print("FAILED:", failures[-1], flush=True)
     counts["refused"] = sum(refusals.values())
-    record = dict(counts=dict(counts), refused_by_reason=dict(refusals), seed=SEED,
-                  shape=dict(b=B, s=S, h=H, d=D, dtype="bfloat16"), tolerance=tol,
+    record = dict(backend=backend, counts=dict(counts), refused_by_reason=dict(refusals),
+                  seed=SEED, shape=dict(b=B, s=S, h=H, d=D, dtype="bfloat16"), tolerance=tol,
                   wall_s=round(time.time() - start, 1), device=str(jax.devices()[0]),
                   jax=jax.__version__, failures=failures[:50],
                   ill_conditioned=ill[:50])
@@ -180,7 +190,7 @@ def test_fuzzed_programs_on_cudnn_match_xla():
     out_dir = os.environ.get("FUSEDATTN_FUZZ_OUT") or os.environ.get("OUT")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "flex_fuzz_gpu.json"), "w") as f:
+        with open(os.path.join(out_dir, f"flex_fuzz_gpu_{backend}.json"), "w") as f:
             json.dump(record, f, indent=1)
-    assert counts["tried"] >= min(COUNT, 500) or COUNT < 500
+    assert counts["tried"] == count
     assert not failures, failures[:10]

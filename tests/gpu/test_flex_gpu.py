@@ -22,6 +22,7 @@ import fusedattn  # noqa: E402
 from fusedattn import dispatch, score_mods  # noqa: E402
 from fusedattn.backends.cudnn import causal_chunks  # noqa: E402
 from fusedattn.validation import build_call  # noqa: E402
+from fusedattn.backends import block_sparse as block_sparse_backend  # noqa: E402
 from fusedattn.backends import cudnn  # noqa: E402
 from fusedattn.backends.cudnn import flex as cudnn_flex  # noqa: E402
 from fusedattn.backends.cudnn.lowering import ranges as flex_ranges  # noqa: E402
@@ -45,8 +46,8 @@ def _case(name: str, **change) -> ac.Case:
                           **change))
 
 
-def _run(built: ac.Built):
-    """(out, lse, dq, dk, dv, d_args) of fused_attn on cuDNN, bshd float64."""
+def _run(built: ac.Built, backend="cudnn"):
+    """(out, dq, dk, dv, d_args) of fused_attn on `backend`, bshd float64."""
     opts = built.options()
     args = built.score_mod_args
     floats = [i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating)]
@@ -56,7 +57,7 @@ def _run(built: ac.Built):
         for i, a in zip(floats, float_args):
             full[i] = a
         return fusedattn.fused_attn(q, k, v, **dict(opts, score_mod_args=tuple(full),
-                                                   backend="cudnn"))
+                                                   backend=backend))
     out, vjp = jax.jit(lambda *a: jax.vjp(f, *a))(built.q, built.k, built.v,
                                                    [args[i] for i in floats])
     dq, dk, dv, d_args = vjp(built.d_out)
@@ -108,6 +109,36 @@ EXPECTED_REFUSALS = {
     "strided": (NO_ENGINE, "forward"),     # ... and the strided mask's forward
     "log1p_abs": (NO_ENGINE, "backward"),  # ... and the bprop of log1p(|s|)
 }
+
+
+# Where `auto` runs the cases of `flex_cases` above instead: the block-sparse kernels on
+# Hopper, where the mod has an in-kernel form (log1p has none there: XLA runs it).
+FALLBACK = {"clip": "block_sparse", "strided": "block_sparse"}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("name", sorted(FALLBACK))
+def test_what_cudnn_refuses_runs_on_the_next_backend(name, variant):
+    """Under `auto`: a mask_mod on the block-sparse kernels, a score_mod alone on cuDNN
+    where it runs, else on `FALLBACK`; forward and every gradient against the oracle."""
+    built = ac.build(_case(name, **VARIANTS[variant]))
+    plan = fusedattn.explain(built.q, built.k, built.v, **built.options())
+    on_cudnn = dict(plan.reasons)["cudnn"] is None
+    if not block_sparse_backend.on_hopper():
+        expected = "cudnn" if on_cudnn else "xla"
+    elif fc.MODS[name][1] is not None:    # a mask_mod
+        expected = "block_sparse"
+    else:
+        expected = "cudnn" if on_cudnn else FALLBACK[name]
+    assert plan.chosen == expected, str(plan)
+    ref = ac.oracle_for(built)
+    out, dq, dk, dv, _ = _run(built, backend="auto")
+    errors = {"out": ac.rel_error(out, ref.out), "dq": ac.rel_error(dq, ref.dq),
+              "dk": ac.rel_error(dk, ref.dk), "dv": ac.rel_error(dv, ref.dv)}
+    print(name, variant, plan.chosen, {k: round(v, 4) for k, v in errors.items()})
+    assert max(errors.values()) < ac.TOLERANCE["bfloat16"], errors
+    q_pad = ac.padded_query_mask(built)
+    assert np.all(out[q_pad] == 0) and np.all(dq[q_pad] == 0)
 
 
 def _expected_refusal(name, variant):

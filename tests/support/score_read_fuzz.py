@@ -264,7 +264,8 @@ def _float(rng, depth, avail):
         unary = pick(rng, (
             jnp.tanh, jax.nn.sigmoid, jnp.abs, jnp.negative, lambda v: v * 0.5,
             lambda v: jnp.exp(0.5 * jnp.tanh(v)), lambda v: jnp.clip(v, -2.0, 2.0),
-            lambda v: jnp.sqrt(1.0 + v * v), lambda v: jnp.tanh(v) ** 2))
+            # (sqrt through rsqrt: Mosaic GPU lowers no sqrt, `mosaic_ops`)
+            lambda v: (1.0 + v * v) * jax.lax.rsqrt(1.0 + v * v), lambda v: jnp.tanh(v) ** 2))
         return lambda e: unary(x(e))
     if k == 10:
         return lambda e: x(e) / (1.0 + jnp.abs(y(e)))

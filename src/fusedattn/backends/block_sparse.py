@@ -12,7 +12,11 @@ cuDNN's graph has no block list: a mask it does not recognise runs every tile th
   the mask in partial blocks (array reads hoisted per row / column, `hoisting`; the
   dense mask read tile by tile);
 * a score_mod that reads arrays by position (``scale[doc[b, q]]``): cuDNN's graph has
-  no gather, so with or without a mask it runs here (`block_sparse.kernel_score`).
+  no gather, so with or without a mask it runs here (`block_sparse.kernel_score`);
+* any other score_mod, where cuDNN refuses it (`defers_to`).
+
+What the kernels cannot evaluate (an operation Mosaic GPU does not lower,
+`block_sparse.mosaic_ops`) is refused by name, before any kernel compiles.
 
 The built-in causal mask and window are ANDed in, and so are padding lengths and packed
 segments (per-row key intervals; such a call's map is built on the device): padded
@@ -39,7 +43,7 @@ from ..block_sparse.attention import (block_sparse_attention_backward,
                                       block_sparse_attention_with_lse, on_hopper)
 from ..block_sparse.builders import from_element
 from ..block_sparse.dependence import Reads, mask_mod_reads
-from ..block_sparse import kernel_score
+from ..block_sparse import kernel_score, mosaic_ops
 from ..block_sparse.hoisting import MASK, Unsupported, by_difference, reason
 from ..block_sparse.kernel_parts import BLOCK
 from ..block_sparse.terms import Dense, ElementMask, InSegments, MaskMod
@@ -89,8 +93,11 @@ def config_reason(config: AttnConfig, kernels: bool = True) -> Optional[str]:
     rules = (
         # (a score_mod with no in-kernel form: `args_reason` below says why)
         # (under packing every score_mod runs here: cuDNN refuses them with segments)
+        # (the kernels take any other score_mod too; dispatch asks cudnn first,
+        # `defers_to`)
         (mask_mod is None and not config.has_dense_mask and not _score_by_position(config)
          and not (config.is_packed and config.score_mod is not None)
+         and not (kernels and config.score_mod is not None)
          and not built_in and args_reason(config) is None,
          "runs a mask_mod's or a dense boolean mask's block map, or a score_mod reading "
          "arrays by position; this call has none (cudnn and flash skip the built-in "
@@ -119,6 +126,8 @@ def config_reason(config: AttnConfig, kernels: bool = True) -> Optional[str]:
     why = next((why for broken, why in rules if broken), None)
     if why is None:   # (arrays closed over count as arrays read)
         why = args_reason(config)
+    if why is None and kernels:
+        why = lowering_reason(config)
     return why
 
 
@@ -187,6 +196,38 @@ def args_reason(config: AttnConfig) -> Optional[str]:
                       config.h_q if reads.head else 1, config.s_q, config.s_kv, MASK)
     except Exception as e:  # a function that cannot be traced here: a reason, not a crash
         return f"score_mod_args: {type(e).__name__}: {e}"
+
+
+@functools.lru_cache(maxsize=256)
+def lowering_reason(config: AttnConfig) -> Optional[str]:
+    """Why the kernels cannot evaluate the parts of the call's mask_mod or score_mod
+    that run in them as written (those reading no array; a score_mod with its
+    derivative): an operation Mosaic GPU does not lower (`mosaic_ops`). Parts that read
+    arrays are split by `hoisting`, which checks the same (`args_reason`)."""
+    mask_mod, score_mod = parts(config)
+    specs = _arg_specs(config)
+    index = [jax.ShapeDtypeStruct((), jnp.int32)] * 4
+    found = []
+    if mask_mod is not None and not mask_reads(config).args:
+        found += [("mask_mod", n) for n in mosaic_ops.missing(mask_mod, *index, *specs)]
+    if score_mod is not None and _reads_no_array(config):
+        found += [("score_mod", n) for n in mosaic_ops.missing(
+            score_mod, jax.ShapeDtypeStruct((), jnp.float32), *index, *specs,
+            derivative_of=0)]
+    if not found:
+        return None
+    return (f"the kernels cannot evaluate {', '.join(f'the {w} ' + repr(n) for w, n in found)}:"
+            f" Mosaic GPU does not lower it in jax {jax.__version__}")
+
+
+def _reads_no_array(config: AttnConfig) -> bool:
+    """Whether the kernels run the call's score_mod as written (it reads no array)."""
+    try:
+        return kernel_score.split(*in_segments(config, parts(config)[1], _arg_specs(config),
+                                               score=True),
+                                  config.batch, config.h_q, config.s_q, config.s_kv) is None
+    except Exception:  # noqa: BLE001 (no in-kernel form: `args_reason` said why)
+        return False
 
 
 def static(config: AttnConfig) -> bool:
@@ -264,6 +305,16 @@ class BlockSparseBackend(native_op.NativeBackend):
         if why is None and not on_hopper():
             why = "its Mosaic GPU kernels need a Hopper GPU (compute capability 9.0)"
         return why
+
+    def defers_to(self, config: AttnConfig) -> Optional[str]:
+        """The backend `auto` runs `config` on instead, where that one can: a score_mod
+        with no mask, no dense mask and no read by position runs on cudnn, whose kernels
+        are faster on every tile; here it runs where cuDNN refuses it (its lowering has
+        no form for an operation, or its engines none for the graph), ahead of XLA."""
+        mask_mod, score_mod = parts(config)
+        plain = (score_mod is not None and mask_mod is None and not config.has_dense_mask
+                 and not config.is_packed and not _score_by_position(config))
+        return "cudnn" if plain else None
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         why = self.config_reason(config)

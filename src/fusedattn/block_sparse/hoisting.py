@@ -31,6 +31,7 @@ from jax.extend.core import Literal
 
 from .dependence import index_specs
 from .diagonal import MAX_RUNS, Runs
+from .mosaic_ops import kernel_runs
 from .tile_ops import flat_values, from_tile, is_float, on_tiles, stack_words, widened, word
 from ..jaxprs import SHAPE_ONLY, Eqn, flatten, name_of as _name, value_of
 
@@ -234,7 +235,9 @@ def _frontier(kind, eqns, inputs, consts, out, dep, dims):
                 "per-column, per-(batch, head) or, in a score_mod, q_idx - kv_idx reads are "
                 "hoisted)")
                 if e.prim.name in _READS and d & _ARG else (
-                f"its {e.prim.name} of values of {_both(d)} is no elementwise operation")))
+                f"its {e.prim.name} of values of {_both(d)} is no elementwise operation "
+                "the kernels evaluate" + (" (Mosaic GPU does not lower it)"
+                                          if e.prim.name in _ELEMENTWISE else ""))))
     while True:
         bad = [(v, why) for v in frontier if (why := _problem(kind, v, dep[v], *dims)) is not None]
         if not bad:
@@ -427,7 +430,9 @@ def _read(env, v, tile=False):
 
 
 def _in_kernel(e: Eqn) -> bool:
-    return e.prim.name in _ELEMENTWISE or e.prim.name in SHAPE_ONLY
+    # (an elementwise operation Mosaic GPU does not lower is hoisted like a sine)
+    name = e.prim.name
+    return (name in _ELEMENTWISE and kernel_runs(name)) or name in SHAPE_ONLY
 
 
 def _slice(eqns, targets, stop=frozenset()):

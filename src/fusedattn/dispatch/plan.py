@@ -43,8 +43,9 @@ log = logging.getLogger("fusedattn")
 
 # Preference order per platform: the first backend that supports a config runs it.
 PREFERENCE: Dict[str, Tuple[str, ...]] = {
-    # block_sparse serves mask_mods and dense boolean masks only (it says so for everything
-    # else): before cudnn, which runs every tile of a mask it does not recognise.
+    # block_sparse serves mask_mods and dense boolean masks: before cudnn, which runs every
+    # tile of a mask it does not recognise. A score_mod with no mask it takes only where
+    # cudnn refuses it (`_deferred`), so that one never falls to XLA either.
     # block_sparse_xla walks the same maps in XLA: after the vendors' kernels (faster
     # every tile), before XLA over all S^2 pairs.
     "cuda": ("small_seq", "block_sparse", "cudnn", "flash", "block_sparse_xla", "xla"),
@@ -292,6 +293,20 @@ def _reason(name: str, config: AttnConfig, platform: str, cp=None) -> Optional[s
         return f"support check failed: {type(e).__name__}: {e}"
 
 
+def _deferred(config: AttnConfig, reasons):
+    """`reasons` with a usable backend that defers this config to another usable one
+    (`defers_to`: block_sparse takes score_mods cuDNN refuses) marked as deferring."""
+    usable = {name for name, why in reasons if why is None}
+    out = []
+    for name, why in reasons:
+        other = getattr(load_backend(name), "defers_to", lambda c: None)(config) \
+            if why is None else None
+        if other in usable:
+            why = f"{other} runs this call (faster); {name} takes it where {other} cannot"
+        out.append((name, why))
+    return tuple(out)
+
+
 # Plans are cached per (config, platform, request): a re-trace of a known config
 # costs a dict lookup, and the decision is logged once.
 _plans: Dict[tuple, Plan] = {}
@@ -341,6 +356,7 @@ def plan(config: AttnConfig, backend: str = "auto", platform: Optional[str] = No
     reasons = tuple((name, _reason(name, config, platform, context_parallel)) for name in order)
     rivals, measure_note = None, ""
     if requested == "auto":
+        reasons = _deferred(config, reasons)
         chosen = next((n for n, r in reasons if r is None), None)
         candidates = measure.rivals(platform, [n for n, r in reasons if r is None])
         if candidates and context_parallel is None:

@@ -1,0 +1,82 @@
+"""What the block-sparse kernels cannot evaluate is refused at dispatch, naming it
+(`block_sparse.mosaic_ops`): a mask_mod or score_mod using an operation that Mosaic
+GPU does not lower would otherwise fail when its kernel compiles. On CPU the
+backend's Hopper check is patched to pass and its kernels are the reference list
+walks (conftest's `hopper_reference`), so dispatch and the fallback run whole."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fusedattn
+from fusedattn.block_sparse import mosaic_ops
+from support.block_sparse_cases import oracle, rel_error
+
+B, S, H, D = 2, 256, 4, 64
+F32, I32 = (jax.ShapeDtypeStruct((), t) for t in (jnp.float32, jnp.int32))
+INDEX = (I32,) * 4
+
+
+@pytest.fixture(autouse=True)
+def hopper(hopper_reference):
+    yield
+
+
+def power_mod(s, b, h, q, kv):
+    return s + 0.1 * jnp.power(jnp.abs(s) + 0.5, 1.5)
+
+
+def floor_blocks(b, h, q, kv):
+    return jnp.floor(q / 64.0) == jnp.floor(kv / 64.0)
+
+
+@pytest.mark.parametrize("registry", ["read", "unreadable"])
+def test_missing_names_what_no_kernel_evaluates(registry, monkeypatch):
+    if registry == "unreadable":   # then the list of what the lowering lacked decides
+        monkeypatch.setattr(mosaic_ops, "lowered", lambda: None)
+    elif mosaic_ops.lowered() is None:
+        pytest.fail("this JAX's Mosaic GPU lowering registry cannot be read")
+    assert mosaic_ops.missing(power_mod, F32, *INDEX, derivative_of=0) == ["pow"]
+    assert mosaic_ops.missing(floor_blocks, *INDEX) == ["floor"]
+    assert mosaic_ops.missing(lambda s, b, h, q, kv: jnp.sqrt(jnp.abs(s) + 1.0) + s,
+                              F32, *INDEX, derivative_of=0) == ["sqrt"]
+    for fn in (lambda s, b, h, q, kv: jnp.clip(s, -2.0, 2.0),
+               lambda s, b, h, q, kv: s * jax.nn.sigmoid(s) + 0.1 * ((q - kv) // 16),
+               lambda s, b, h, q, kv: jnp.where(kv <= q, 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
+               lambda s, b, h, q, kv: s + jnp.round(q * 0.01) + (q - kv) % 3):
+        assert mosaic_ops.missing(fn, F32, *INDEX, derivative_of=0) == []
+
+
+def _qkvo(seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return [jax.random.normal(k, (B, S, H, D), jnp.bfloat16) for k in keys]
+
+
+def _check(options, want_backend, words):
+    q, k, v, do = _qkvo()
+    plan = fusedattn.explain(q, k, v, **options)
+    assert plan.chosen == want_backend, str(plan)
+    assert all(w in dict(plan.reasons)["block_sparse"] for w in words), str(plan)
+    out, vjp = jax.vjp(jax.jit(lambda q, k, v: fusedattn.fused_attn(q, k, v, **options)),
+                       q, k, v)
+    got = (out, *vjp(do))
+    i, j = np.arange(S)[:, None], np.arange(S)[None, :]
+    visible = np.asarray(options["mask_mod"](0, 0, i, j)) if "mask_mod" in options else \
+        (j <= i) if options.get("mask") == "causal" else np.ones((S, S), bool)
+    ref_out, _, ref = oracle(q, k, v, np.broadcast_to(visible, (B, H, S, S)), D ** -0.5,
+                             options.get("score_mod"), do)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, (ref_out, *ref[:3])):
+        assert rel_error(np.asarray(g, np.float32), w) < 4e-2, name
+
+
+def test_a_score_mod_with_an_operation_no_kernel_lowers_runs_elsewhere():
+    """cuDNN has no extension here, so the call falls to XLA, with the reason."""
+    _check(dict(score_mod=power_mod, mask="causal"), "xla",
+           ("the kernels cannot evaluate the score_mod 'pow'", "Mosaic GPU does not lower"))
+
+
+def test_a_mask_mod_with_an_operation_no_kernel_lowers_walks_its_map_in_xla():
+    _check(dict(mask_mod=floor_blocks), "block_sparse_xla",
+           ("the kernels cannot evaluate the mask_mod 'floor'",))
