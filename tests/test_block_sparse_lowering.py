@@ -80,3 +80,22 @@ def test_a_score_mod_with_an_operation_no_kernel_lowers_runs_elsewhere():
 def test_a_mask_mod_with_an_operation_no_kernel_lowers_walks_its_map_in_xla():
     _check(dict(mask_mod=floor_blocks), "block_sparse_xla",
            ("the kernels cannot evaluate the mask_mod 'floor'",))
+
+
+def test_a_score_mod_whose_shard_form_the_kernels_lack_stays_with_xla():
+    """Under a head split the shard reads h as its first head plus its own (`native_op`),
+    and sin(h * (i - j)) then has no in-kernel form: the call stays with XLA whole."""
+    q, k, v, _ = _qkvo()
+    plan = fusedattn.explain(q, k, v, score_mod=lambda s, b, h, i, j:
+                             s + jnp.sin(0.1 * h * (i - j)))
+    assert plan.chosen == "xla", str(plan)
+    assert dict(plan.reasons)["block_sparse"].startswith(
+        "on a shard of a batch / head split"), str(plan)
+
+
+def test_an_operation_whose_derivative_the_kernels_lack_is_refused():
+    """fmod's derivative in its divisor needs floor: read per head, it cannot be hoisted."""
+    q, k, v, _ = _qkvo()
+    plan = fusedattn.explain(q, k, v, score_mod=lambda s, b, h, i, j, p: s + jnp.fmod(s, p[h]),
+                             score_mod_args=(jnp.linspace(1.0, 2.0, H),))
+    assert "its rem of values of the score" in dict(plan.reasons)["block_sparse"], str(plan)

@@ -49,7 +49,7 @@ from ..block_sparse.kernel_parts import BLOCK
 from ..block_sparse.terms import Dense, ElementMask, InSegments, MaskMod
 from ..config import AttnConfig
 from ..inputs import AttnInputs, pack_like_inputs, unpack_qkv
-from ..score_mods import Masked, Reindexed
+from ..score_mods import Masked, Reindexed, Starts, reindexed_config
 from . import native_op
 from .xla.tiles import one_tile
 
@@ -128,7 +128,21 @@ def config_reason(config: AttnConfig, kernels: bool = True) -> Optional[str]:
         why = args_reason(config)
     if why is None and kernels:
         why = lowering_reason(config)
+    if why is None and kernels and plain_score_mod(config) and not _reindexed(config):
+        # (a batch / head split runs the shard's form, `native_op`; where that has none
+        # here, the call stays with XLA, which runs it whole)
+        shard = reindexed_config(config, Starts())
+        shard_why = args_reason(shard) or lowering_reason(shard)
+        why = shard_why and f"on a shard of a batch / head split: {shard_why}"
     return why
+
+
+def plain_score_mod(config: AttnConfig) -> bool:
+    """A score_mod with no mask_mod, dense mask, packing or read by position: cuDNN runs
+    it where it can (`defers_to`)."""
+    mask_mod, score_mod = parts(config)
+    return (score_mod is not None and mask_mod is None and not config.has_dense_mask
+            and not config.is_packed and not _score_by_position(config))
 
 
 def _arg_specs(config: AttnConfig):
@@ -208,7 +222,8 @@ def lowering_reason(config: AttnConfig) -> Optional[str]:
     specs = _arg_specs(config)
     index = [jax.ShapeDtypeStruct((), jnp.int32)] * 4
     found = []
-    if mask_mod is not None and not mask_reads(config).args:
+    # (packed: the mask_mod is key intervals or reads its positions, split by `hoisting`)
+    if mask_mod is not None and not config.is_packed and not mask_reads(config).args:
         found += [("mask_mod", n) for n in mosaic_ops.missing(mask_mod, *index, *specs)]
     if score_mod is not None and _reads_no_array(config):
         found += [("score_mod", n) for n in mosaic_ops.missing(
@@ -311,10 +326,7 @@ class BlockSparseBackend(native_op.NativeBackend):
         with no mask, no dense mask and no read by position runs on cudnn, whose kernels
         are faster on every tile; here it runs where cuDNN refuses it (its lowering has
         no form for an operation, or its engines none for the graph), ahead of XLA."""
-        mask_mod, score_mod = parts(config)
-        plain = (score_mod is not None and mask_mod is None and not config.has_dense_mask
-                 and not config.is_packed and not _score_by_position(config))
-        return "cudnn" if plain else None
+        return "cudnn" if plain_score_mod(config) else None
 
     def supports(self, config: AttnConfig) -> Optional[str]:
         why = self.config_reason(config)

@@ -34,6 +34,9 @@ class BlockSparseXlaBackend(BlockSparseBackend):
     def config_reason(self, config: AttnConfig) -> Optional[str]:
         return config_reason(config, kernels=False)
 
+    def defers_to(self, config: AttnConfig) -> Optional[str]:
+        return None   # (its own rules take no score_mod alone: nothing to defer)
+
 
 BACKEND = BlockSparseXlaBackend()
 native_op.register(BACKEND.name, native_op.Kernels(BACKEND.forward, BACKEND.backward,

@@ -430,9 +430,11 @@ def _read(env, v, tile=False):
 
 
 def _in_kernel(e: Eqn) -> bool:
-    # (an elementwise operation Mosaic GPU does not lower is hoisted like a sine)
+    # (an elementwise operation Mosaic GPU does not lower, or whose derivative in a float
+    # it does not, is hoisted like a sine)
     name = e.prim.name
-    return (name in _ELEMENTWISE and kernel_runs(name)) or name in SHAPE_ONLY
+    return (name in _ELEMENTWISE and kernel_runs(name, is_float(e.outs[0].aval.dtype))) \
+        or name in SHAPE_ONLY
 
 
 def _slice(eqns, targets, stop=frozenset()):

@@ -16,29 +16,39 @@ import jax.numpy as jnp
 
 from ..jaxprs import flatten
 
-# Elementwise primitives the Mosaic GPU lowering had no warpgroup rule for.
-LACKED = frozenset({"ceil", "floor", "is_finite", "population_count", "pow", "sqrt"})
+# Elementwise primitives the Mosaic GPU lowering had no rule for (JAX 0.10-0.11).
+LACKED = frozenset({
+    "ceil", "floor", "is_finite", "population_count", "pow", "sqrt", "acos", "acosh", "asin",
+    "asinh", "atan", "atanh", "cbrt", "cosh", "digamma", "erf_inv", "erfc", "expm1",
+    "lgamma", "log1p", "nextafter", "sinh", "tan"})
 # Bound as another primitive inside a kernel (`jaxprs.plain`: add_any as add).
 _REBOUND = frozenset({"add_any"})
+# Elementwise primitives whose derivative in a float operand needs others.
+_DERIVATIVE_NEEDS = {"rem": ("floor",), "pow": ("pow", "log")}
 
 
 @functools.lru_cache(maxsize=None)
 def lowered() -> Optional[FrozenSet[str]]:
-    """Names of the primitives with a Mosaic GPU lowering rule under the warpgroup
-    semantics the kernels use; None where this JAX's registry cannot be read."""
+    """Names of the primitives with a Mosaic GPU lowering rule under both the lane and
+    the warpgroup semantics (which one a kernel compiles under is Pallas's choice);
+    None where this JAX's registry cannot be read."""
     try:
         from jax._src.pallas.mosaic_gpu import core, lowering
-        return frozenset(p.name for p in lowering.mosaic_lowering_rules[core.WGxWG_SEMANTICS])
+        rules = lowering.mosaic_lowering_rules
+        return frozenset(p.name for p in rules[core.WGxWG_SEMANTICS]) & \
+            frozenset(p.name for p in rules[core.LANExWG_SEMANTICS])
     except Exception:  # noqa: BLE001 (an internal that moved: `LACKED` decides)
         return None
 
 
-def kernel_runs(name: str) -> bool:
-    """Whether a kernel can evaluate primitive `name` on its tiles."""
+def kernel_runs(name: str, with_derivative: bool = False) -> bool:
+    """Whether a kernel can evaluate primitive `name` on its tiles (and, with
+    `with_derivative`, its derivative in a float operand)."""
     names = lowered()
-    if names is None:
-        return name not in LACKED
-    return name in names or name in _REBOUND
+    runs = (lambda n: n not in LACKED) if names is None else \
+        (lambda n: n in names or n in _REBOUND)
+    return runs(name) and (not with_derivative
+                           or all(map(runs, _DERIVATIVE_NEEDS.get(name, ()))))
 
 
 def missing(fn, *specs, derivative_of: Optional[int] = None) -> List[str]:
