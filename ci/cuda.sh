@@ -57,7 +57,9 @@ if [[ $step == all || $step == test ]]; then
   python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider "$@" 2>&1 | tee "$log_dir/gpu-tests.log"
 fi
 if [[ $step == parallel ]]; then
-  ngpu=$(nvidia-smi -L | wc -l); per=${PER_GPU:-4}; n=$(( ngpu * per )); rc=0
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l); per=${PER_GPU:-4}; n=$(( ngpu * per )); rc=0
+  (( n > 0 )) || { echo "ci/cuda.sh parallel: no NVIDIA GPU listed, nothing run"; exit 1; }
+  rm -f "$log_dir"/gpu-shard-*.log   # (only this run's shards are summed below)
   for (( i = 0; i < n; i++ )); do
     CUDA_VISIBLE_DEVICES=$(( i % ngpu )) FUSEDATTN_GPU_SHARD=$i/$n \
       FUSEDATTN_CACHE_DIR=$(mktemp -d /tmp/fusedattn-cache.XXXX) \

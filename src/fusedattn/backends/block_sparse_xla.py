@@ -35,7 +35,7 @@ class BlockSparseXlaBackend(BlockSparseBackend):
         return config_reason(config, kernels=False)
 
     def defers_to(self, config: AttnConfig) -> Optional[str]:
-        return None   # (its own rules take no score_mod alone: nothing to defer)
+        return None   # (it follows the vendors' kernels already: nothing to defer)
 
 
 BACKEND = BlockSparseXlaBackend()
