@@ -28,8 +28,12 @@ def power_mod(s, b, h, q, kv):
     return s + 0.1 * jnp.power(jnp.abs(s) + 0.5, 1.5)
 
 
-def floor_blocks(b, h, q, kv):
+def floor_blocks(b, h, q, kv):   # floor: a kernel form from round (`mosaic_ops.FORMS`)
     return jnp.floor(q / 64.0) == jnp.floor(kv / 64.0)
+
+
+def cbrt_pattern(b, h, q, kv):     # cbrt: no lowering, no form
+    return jnp.cbrt(((q * 7 + kv * 3) % 64).astype(jnp.float32)) < 3.0
 
 
 @pytest.mark.parametrize("registry", ["read", "unreadable"])
@@ -39,10 +43,15 @@ def test_missing_names_what_no_kernel_evaluates(registry, monkeypatch):
     elif mosaic_ops.lowered() is None:
         pytest.fail("this JAX's Mosaic GPU lowering registry cannot be read")
     assert mosaic_ops.missing(power_mod, F32, *INDEX, derivative_of=0) == ["pow"]
-    assert mosaic_ops.missing(floor_blocks, *INDEX) == ["floor"]
+    assert mosaic_ops.missing(cbrt_pattern, *INDEX) == ["cbrt"]
+    assert mosaic_ops.missing(lambda s, b, h, q, kv: s + jax.scipy.special.erf(s),
+                              F32, *INDEX, derivative_of=0) == ["erf"]
+    sqrt_lowers = registry == "read" and "sqrt" in mosaic_ops.lowered()
     assert mosaic_ops.missing(lambda s, b, h, q, kv: jnp.sqrt(jnp.abs(s) + 1.0) + s,
-                              F32, *INDEX, derivative_of=0) == ["sqrt"]
+                              F32, *INDEX, derivative_of=0) == ([] if sqrt_lowers else ["sqrt"])
     for fn in (lambda s, b, h, q, kv: jnp.clip(s, -2.0, 2.0),
+               lambda s, b, h, q, kv: s + jnp.floor(q / 64.0) - jnp.ceil(kv / 64.0),
+               lambda s, b, h, q, kv: jnp.where(~(q == kv) | (h > 1), s ** -2, s ** 0),
                lambda s, b, h, q, kv: s * jax.nn.sigmoid(s) + 0.1 * ((q - kv) // 16),
                lambda s, b, h, q, kv: jnp.where(kv <= q, 30.0 * jnp.tanh(s / 30.0), -jnp.inf),
                lambda s, b, h, q, kv: s + jnp.round(q * 0.01) + (q - kv) % 3):
@@ -78,24 +87,45 @@ def test_a_score_mod_with_an_operation_no_kernel_lowers_runs_elsewhere():
 
 
 def test_a_mask_mod_with_an_operation_no_kernel_lowers_walks_its_map_in_xla():
-    _check(dict(mask_mod=floor_blocks), "block_sparse_xla",
-           ("the kernels cannot evaluate the mask_mod 'floor'",))
+    _check(dict(mask_mod=cbrt_pattern), "block_sparse_xla",
+           ("the kernels cannot evaluate the mask_mod 'cbrt'",))
 
 
-def test_a_score_mod_whose_shard_form_the_kernels_lack_stays_with_xla():
-    """Under a head split the shard reads h as its first head plus its own (`native_op`),
-    and sin(h * (i - j)) then has no in-kernel form: the call stays with XLA whole."""
+def test_a_mask_mod_with_a_kernel_form_runs_on_the_kernels():
+    _check(dict(mask_mod=floor_blocks), "block_sparse", ())
+
+
+def test_a_score_mod_whose_shard_form_the_kernels_lack_stays_with_xla(monkeypatch):
+    """Under a head split the shard reads h as its first head plus its own (`native_op`).
+    With a lowering that has no round (so no floor, which fmod's derivative needs), a
+    float fmod of h * (i - j) runs as written, where nothing differentiates it, but on
+    the shards it is a value to hoist by i - j, whose runs are too many: the call stays
+    with XLA whole."""
+    registry = mosaic_ops.lowered()
+    if registry is None:
+        pytest.fail("this JAX's Mosaic GPU lowering registry cannot be read")
+    monkeypatch.setattr(mosaic_ops, "lowered", lambda: registry - {"round"})
     q, k, v, _ = _qkvo()
     plan = fusedattn.explain(q, k, v, score_mod=lambda s, b, h, i, j:
-                             s + jnp.sin(0.1 * h * (i - j)))
+                             s + jnp.fmod(0.1 * h * (i - j), 3.0))
     assert plan.chosen == "xla", str(plan)
     assert dict(plan.reasons)["block_sparse"].startswith(
         "on a shard of a batch / head split"), str(plan)
 
 
-def test_an_operation_whose_derivative_the_kernels_lack_is_refused():
-    """fmod's derivative in its divisor needs floor: read per head, it cannot be hoisted."""
+@pytest.mark.parametrize("round_lowers", [True, False])
+def test_an_operation_whose_derivative_the_kernels_lack_is_refused(round_lowers, monkeypatch):
+    """fmod's derivative in its divisor needs floor, whose kernel form needs round:
+    read per head, the divisor cannot be hoisted, so without round the call is refused."""
+    registry = mosaic_ops.lowered()
+    if registry is None:
+        pytest.fail("this JAX's Mosaic GPU lowering registry cannot be read")
+    if not round_lowers:
+        monkeypatch.setattr(mosaic_ops, "lowered", lambda: registry - {"round"})
     q, k, v, _ = _qkvo()
     plan = fusedattn.explain(q, k, v, score_mod=lambda s, b, h, i, j, p: s + jnp.fmod(s, p[h]),
                              score_mod_args=(jnp.linspace(1.0, 2.0, H),))
-    assert "its rem of values of the score" in dict(plan.reasons)["block_sparse"], str(plan)
+    if round_lowers:
+        assert plan.chosen == "block_sparse", str(plan)
+    else:
+        assert "its rem of values of the score" in dict(plan.reasons)["block_sparse"], str(plan)

@@ -32,6 +32,7 @@ from support import sharding_cases as sc
 from support.sharding_cases import partitioner  # noqa: F401 (a fixture)
 from support.block_sparse_cases import block_map, doc_ids, rel_error
 from support.block_sparse_cases import oracle as bs_oracle
+from fusedattn.block_sparse import mosaic_ops
 from fusedattn.block_sparse.attention import (block_sparse_attention,
                                               block_sparse_attention_backward,
                                               block_sparse_attention_with_lse)
@@ -352,14 +353,19 @@ def test_a_score_mod_reading_b_and_h_sees_the_calls_numbers(hopper_reference):
         assert rel_error(got, want) < tol, (name, rel_error(got, want))
 
 
-def test_a_score_mod_without_a_shard_form_is_refused(hopper_reference):
+def test_a_score_mod_without_a_shard_form_is_refused(hopper_reference, monkeypatch):
     """A score_mod whose read of the head meets both positions in an operation the
-    kernels do not run (``sin(h * (i - j))``) runs unsplit as it is, but on a head shard
-    its h must come from the shard's start: no in-kernel form, and the error says so
-    (not wrong numbers)."""
+    kernels run only undifferentiated (a float fmod, whose derivative needs floor, from
+    round: here taken out of the lowering) runs unsplit as it is, but on a head shard its
+    h must come from the shard's start: no in-kernel form, and the error says so (not
+    wrong numbers)."""
+    registry = mosaic_ops.lowered()
+    if registry is None:
+        pytest.fail("this JAX's Mosaic GPU lowering registry cannot be read")
+    monkeypatch.setattr(mosaic_ops, "lowered", lambda: registry - {"round"})
     mesh = _mesh((2,), ("tp",))
     q, k, v, _ = _qkvo()
-    wavy = lambda s, b, h, i, j: s + jnp.sin(0.1 * h * (i - j).astype(s.dtype))  # noqa: E731
+    wavy = lambda s, b, h, i, j: s + jnp.fmod(0.1 * h * (i - j).astype(s.dtype), 3.0)  # noqa: E731
 
     def f(q, k, v):
         return fusedattn.fused_attn(q, k, v, mask_mod=window, score_mod=wavy)

@@ -2,11 +2,11 @@
 kernel lowers: shared by the block-sparse kernels and the cuDNN score_mod lowering.
 
 `block_sparse.hoisting` splits a mask_mod's or score_mod's flat equations; `plain`
-evaluates a function (a score_mod's derivative) inside a block-sparse kernel; the
-cuDNN score_mod lowering (backends/cudnn/lowering) lowers `flatten`'s equations. JAX's derivatives emit
-``add_any`` to sum cotangents, and calls (pjit, custom_jvp) wrap library functions;
-the Mosaic GPU lowering has no rule for ``add_any``, so `plain` inlines every call
-and adds with ``lax.add``.
+evaluates a function inside a block-sparse kernel, one primitive at a time, so that
+some can be rewritten (`block_sparse.mosaic_ops.FORMS`: JAX's derivatives sum
+cotangents with ``add_any``, which the Mosaic GPU lowering has no rule for); the
+cuDNN score_mod lowering (backends/cudnn/lowering) lowers `flatten`'s equations.
+Calls (pjit, custom_jvp) that wrap library functions are inlined.
 """
 from __future__ import annotations
 
@@ -59,9 +59,10 @@ def value_of(env, v):
     return np.asarray(v.val, v.aval.dtype) if isinstance(v, Literal) else env[v]
 
 
-def plain(fn, *args):
-    """``fn(*args)`` evaluated from its jaxpr, calls inlined and ``add_any`` as
-    ``lax.add`` (see the module doc). `args` may be tracers of an enclosing trace."""
+def plain(fn, *args, rewrite=lambda prim, ins, params: None):
+    """``fn(*args)`` evaluated from its jaxpr, calls inlined; ``rewrite(primitive, ins,
+    params)`` gives an equation's outputs in other primitives, or None to bind it as it
+    is. `args` may be tracers of an enclosing trace."""
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     eqns, consts, env = flatten(closed)
     values = dict(consts)
@@ -69,9 +70,8 @@ def plain(fn, *args):
                                               jax.tree_util.tree_leaves(args)))
     for e in eqns:
         ins = [value_of(values, v) for v in e.ins]
-        if e.prim.name == "add_any":
-            outs = jax.lax.add(*ins)
-        else:
+        outs = rewrite(e.prim, ins, e.params)
+        if outs is None:
             params = e.prim.get_bind_params(e.params)
             sub, params = params if isinstance(params, tuple) else ((), params)  # older JAX
             outs = e.prim.bind(*sub, *ins, **params)

@@ -58,17 +58,17 @@ class Kind(NamedTuple):
 MASK = Kind("mask_mod", (_B, _H, _Q, _KV), heads=False, floats=False)
 SCORE = Kind("score_mod", (_S, _B, _H, _Q, _KV), heads=True, floats=True)
 
+# Elementwise operations: in the kernels where Mosaic GPU lowers them (`mosaic_ops`),
+# else hoisted, computed on the device where they read nothing but q_idx - kv_idx (a
+# T5 bucket's logarithm, say).
 _ELEMENTWISE = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "add", "sub", "mul", "div",
     "rem", "neg", "abs", "sign", "max", "min", "select_n", "clamp", "convert_element_type",
     "integer_pow", "square", "shift_left", "shift_right_logical", "shift_right_arithmetic",
     "population_count", "floor", "ceil", "round", "exp", "exp2", "log", "sqrt", "rsqrt", "pow",
-    "is_finite", "tanh", "logistic"})
-# Elementwise operations no kernel runs, computed on the device where they read
-# nothing but q_idx - kv_idx (a T5 bucket's logarithm, say).
-_DEVICE_POINTWISE = frozenset({"log1p", "expm1", "sin", "cos", "tan", "asin", "acos", "atan",
-                               "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc",
-                               "erf_inv", "cbrt", "lgamma", "digamma", "nextafter"})
+    "is_finite", "tanh", "logistic", "log1p", "expm1", "sin", "cos", "tan", "asin", "acos",
+    "atan", "atan2", "sinh", "cosh", "asinh", "acosh", "atanh", "erf", "erfc", "erf_inv",
+    "cbrt", "lgamma", "digamma", "nextafter"})
 _READS = frozenset({"gather", "dynamic_slice"})  # what jnp indexing becomes
 
 _REASONS = {
@@ -402,7 +402,7 @@ def _pointwise(e: Eqn, dep, dims) -> bool:
     if name == "gather":        # a read at each position's own index, of a table
         return (e.outs[0].aval.shape[:4] == e.ins[1].aval.shape[:4]
                 and not dep.get(e.ins[0], 0) & (_D | _Q | _KV))
-    return name in _ELEMENTWISE or name in _DEVICE_POINTWISE
+    return name in _ELEMENTWISE
 
 
 def _evaluate(kind, inputs, consts, device, args, positions=None):
@@ -431,7 +431,7 @@ def _read(env, v, tile=False):
 
 def _in_kernel(e: Eqn) -> bool:
     # (an elementwise operation Mosaic GPU does not lower, or whose derivative in a float
-    # it does not, is hoisted like a sine)
+    # it does not, is hoisted like an arcsine)
     name = e.prim.name
     return (name in _ELEMENTWISE and kernel_runs(name, is_float(e.outs[0].aval.dtype))) \
         or name in SHAPE_ONLY

@@ -27,8 +27,8 @@ from .kernel_mask import KernelMask
 from .kernel_parts import (BLOCK, F32, NSTAGE, NWG, ROWS, WORD, Lists, bh_index as _bh,
                            batch_tokens, col_vector, cols_of, copy_partial, copy_side, counts,
                            dense_tile, load_words, logits, matmul_acc, matmul_acc2, matmul_t2,
-                           rendezvous, row_vector, rows_of, smem_tiled, tile_fns, tokens,
-                           value_scratch)
+                           rendezvous, row_vector, row_zeros, rows_of, smem_tiled, tile_fns,
+                           tokens, value_scratch)
 
 HALF = BLOCK // 2
 
@@ -173,7 +173,7 @@ def dq(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 plgpu.barrier_arrive(free.at[slot])
                 return acc, d_sq
 
-            zero_rows = [jnp.zeros((ROWS,), F32) for _ in q_floats if d_values]
+            zero_rows = [row_zeros(interpret) for _ in q_floats if d_values]
             acc, d_sq = lax.fori_loop(0, steps, step, (jnp.zeros((ROWS, D), F32), zero_rows))
             qw[...] = (acc * scale).astype(dt)
             for r, x in enumerate(d_sq):   # (the values were read into registers above)
@@ -354,7 +354,7 @@ def dkv(q, k, v, do, lse_delta, lists, kmask: KernelMask, *, scale, score=None,
                 return dk, dv, d_skv
 
             zero = jnp.zeros((ROWS, D), F32)
-            zero_rows = [jnp.zeros((ROWS,), F32) for _ in kv_floats if d_values]
+            zero_rows = [row_zeros(interpret) for _ in kv_floats if d_values]
             dk, dv, d_skv = lax.fori_loop(0, steps, step, (zero, zero, zero_rows))
             if hw:
                 pl.when(wg == 0)(sync)

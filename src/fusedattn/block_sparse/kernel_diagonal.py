@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .kernel_parts import F32, NWG, bh_index, broadcast_along, row_vector
+from .kernel_parts import F32, NWG, bh_index, broadcast_along, row_vector, row_zeros
 
 
 def diagonal_words(score, words):
@@ -155,11 +155,8 @@ class Diagonal:
                 add(acc.at[i, first], total - after)
 
     def clear(self, acc):
-        """Zero `acc` (SMEM ``[l, K, rows]``) in the rows' own layout: each thread then
-        reads back what it wrote, with no barrier."""
-        zero = jnp.zeros(acc.shape[2:], F32)
-        if not self.interpret:
-            zero = plgpu.layout_cast(zero, plgpu.Layout.WGMMA.reduce(1))
+        """Zero `acc` (SMEM ``[l, K, rows]``) in the rows' own layout (`row_zeros`)."""
+        zero = row_zeros(self.interpret, acc.shape[2])
 
         def one(k, _):
             for i in range(acc.shape[0]):

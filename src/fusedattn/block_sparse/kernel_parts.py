@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .kernel_score import apply
+from .mosaic_ops import evaluate
 
 LOG2E = math.log2(math.e)
 F32 = jnp.float32
@@ -104,6 +105,14 @@ def col_vector(ref, interpret):
     return ref[...] if interpret else plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0))
 
 
+def row_zeros(interpret, rows=ROWS):
+    """Zeros along a tile's rows in the rows' own layout (a splat reaches SMEM as a splat,
+    which the lowering stores only in multiples of 128 elements; and each thread then
+    reads back what it wrote, with no barrier)."""
+    zero = jnp.zeros((rows,), F32)
+    return zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA.reduce(1))
+
+
 def rows_of(x, shape):
     return broadcast_along(x, 0, shape)
 
@@ -166,7 +175,7 @@ def tile_fns(kmask, shape, q_axis, b, h, q0, k0, slot, held, mask_vals, score_va
     def visible():
         if mask_ready is not None:
             plgpu.barrier_wait(mask_ready)
-        return kmask.fn(b, h, q_pos(), kv_pos(), tiles(mask_vals[0], "q"),
+        return evaluate(kmask.fn, b, h, q_pos(), kv_pos(), tiles(mask_vals[0], "q"),
                         tiles(mask_vals[1], "kv"), None if dense is None else dense())
 
     def values():

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from .dependence import mask_mod_reads, specs_of
 from .diagonal import Runs
 from .hoisting import SCORE, hoist
+from .mosaic_ops import evaluate
 from .tile_ops import stack_words
-from ..jaxprs import plain
 
 F32 = jnp.float32
 
@@ -100,11 +100,11 @@ def apply(fn: ScoreFn, x, b, h, q, kv, tiles, with_grad: bool, sides=("q", "kv",
     def f(x_, ts):
         return fn.call(x_, b, h, q, kv, ts[0], ts[1], diags=ts[2]).astype(F32)
     if not with_grad:
-        return f(x, tiles), None
+        return evaluate(f, x, tiles), None
     picked = [[i for i, yes in enumerate(floats) if yes and side in sides]
               for floats, side in zip((fn.q_floats, fn.kv_floats, fn.d_floats), ("q", "kv", "d"))]
     if not any(picked):
-        y, d = plain(lambda x_: jax.jvp(lambda z: f(z, tiles), (x_,), (jnp.ones_like(x_),)), x)
+        y, d = evaluate(lambda x_: jax.jvp(lambda z: f(z, tiles), (x_,), (jnp.ones_like(x_),)), x)
         return y, lambda g: (g * d, [], [], [])
 
     def of_floats(x_, *chosen):
@@ -113,6 +113,6 @@ def apply(fn: ScoreFn, x, b, h, q, kv, tiles, with_grad: bool, sides=("q", "kv",
             for i, t in zip(idx, got):
                 side[i] = t
         return f(x_, ts)
-    y = f(x, tiles)
+    y = evaluate(f, x, tiles)
     primals = (x, *([t[i] for i in idx] for t, idx in zip(tiles, picked)))
-    return y, lambda g: plain(lambda *p: jax.vjp(of_floats, *p)[1](g), *primals)
+    return y, lambda g: evaluate(lambda *p: jax.vjp(of_floats, *p)[1](g), *primals)
