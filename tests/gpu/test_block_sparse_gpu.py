@@ -275,6 +275,25 @@ def test_softcap_score_mod():
     _check("sliding_window", 4, 4, 64, jnp.bfloat16, score_mod=cap)
 
 
+@pytest.mark.parametrize("score_mod", [
+    # floor and ceil (kernel forms from round), a boolean not, a scalar select, s ** -2
+    lambda s, b, h, i, j: s + 0.1 * jnp.floor(s) - 0.05 * jnp.ceil((i - j) / 48.0),
+    lambda s, b, h, i, j: jnp.where(~(i == j) | (h > 1), s, s - 1.0) + jnp.where(h > 2, 0.5, s),
+    lambda s, b, h, i, j: s + 0.5 * (jnp.abs(s) + 1.0) ** -2 + jnp.isfinite(s) * 0.25,
+], ids=["floor_ceil", "not_scalar_select", "integer_pow_is_finite"])
+def test_kernel_forms_run_in_the_kernels(score_mod):
+    """Primitives the kernels evaluate through a kernel form (`mosaic_ops.FORMS`), in a
+    score_mod and its derivative, against the float64 oracle."""
+    _check("sliding_window", 4, 2, 128, jnp.bfloat16, score_mod=score_mod)
+
+
+def test_a_mask_mod_with_kernel_forms_runs_on_the_kernels():
+    plan = _check_mask_mod("blocks by floor, not the diagonal's neighbours",
+                           lambda b, h, i, j: (jnp.floor(i / 96.0) == jnp.floor(j / 96.0))
+                           & ~(jnp.abs(i - j) == 1), {})
+    assert plan.chosen == "block_sparse", str(plan)
+
+
 @pytest.mark.parametrize("name, mask_mod, options", [
     ("sliding window with a global first key",
      lambda b, h, i, j: ((j <= i) & (i - j < 128)) | (j == 0), {}),
