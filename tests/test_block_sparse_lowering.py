@@ -1,6 +1,6 @@
 """What the block-sparse kernels cannot evaluate is refused at dispatch, naming it
 (`block_sparse.mosaic_ops`): a mask_mod or score_mod using an operation that Mosaic
-GPU does not lower would otherwise fail when its kernel compiles. On CPU the
+GPU cannot compile would otherwise fail when its kernel compiles. On CPU the
 backend's Hopper check is patched to pass and its kernels are the reference list
 walks (conftest's `hopper_reference`), so dispatch and the fallback run whole."""
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _check(options, want_backend, words):
 def test_a_score_mod_with_an_operation_no_kernel_lowers_runs_elsewhere():
     """cuDNN has no extension here, so the call falls to XLA, with the reason."""
     _check(dict(score_mod=power_mod, mask="causal"), "xla",
-           ("the kernels cannot evaluate the score_mod 'pow'", "Mosaic GPU does not lower"))
+           ("the kernels cannot evaluate the score_mod 'pow'", "Mosaic GPU cannot compile"))
 
 
 def test_a_mask_mod_with_an_operation_no_kernel_lowers_walks_its_map_in_xla():

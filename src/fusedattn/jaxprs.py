@@ -1,5 +1,5 @@
-"""Jaxprs as flat lists of equations, and their evaluation in primitives a Mosaic GPU
-kernel lowers: shared by the block-sparse kernels and the cuDNN score_mod lowering.
+"""Jaxprs as flat lists of equations, and their evaluation one primitive at a time:
+shared by the block-sparse kernels and the cuDNN score_mod lowering.
 
 `block_sparse.hoisting` splits a mask_mod's or score_mod's flat equations; `plain`
 evaluates a function inside a block-sparse kernel, one primitive at a time, so that

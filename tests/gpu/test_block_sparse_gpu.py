@@ -275,12 +275,26 @@ def test_softcap_score_mod():
     _check("sliding_window", 4, 4, 64, jnp.bfloat16, score_mod=cap)
 
 
+def _thirds(s, i, j):
+    """s, s / 2 or -s as (i - j) % 3 is 0, 1 or 2: a three-way select by an integer
+    (lax.select_n takes equal shapes: a score_mod also sees a scalar score)."""
+    shape = jnp.broadcast_shapes(jnp.shape(s), jnp.shape(i), jnp.shape(j))
+    which, s = jnp.broadcast_to((i - j) % 3, shape), jnp.broadcast_to(s, shape)
+    return jax.lax.select_n(which, s, 0.5 * s, -s)
+
+
 @pytest.mark.parametrize("score_mod", [
-    # floor and ceil (kernel forms from round), a boolean not, a scalar select, s ** -2
-    lambda s, b, h, i, j: s + 0.1 * jnp.floor(s) - 0.05 * jnp.ceil((i - j) / 48.0),
-    lambda s, b, h, i, j: jnp.where(~(i == j) | (h > 1), s, s - 1.0) + jnp.where(h > 2, 0.5, s),
-    lambda s, b, h, i, j: s + 0.5 * (jnp.abs(s) + 1.0) ** -2 + jnp.isfinite(s) * 0.25,
-], ids=["floor_ceil", "not_scalar_select", "integer_pow_is_finite"])
+    # floor and ceil (kernel forms from round) of scores of either sign, where rounding
+    # in their place would move half the logits by 1 / 4
+    lambda s, b, h, i, j: s + 0.25 * jnp.floor(4.0 * s) - 0.25 * jnp.ceil(2.0 * s - 0.5),
+    # a boolean not, a scalar predicate and case, a select by an integer, bool max
+    lambda s, b, h, i, j: jnp.where(~(i == j) | (h > 1), s, s - 1.0) + jnp.where(h > 2, 0.5, s)
+    + _thirds(s, i, j) * jnp.maximum(i > j + 5, h == 0),
+    # s ** -2 (and -3 in its derivative), is_finite where exp(12 s) overflows for a few
+    # percent of the scores, a 16-bit sine computed in float32
+    lambda s, b, h, i, j: s + 0.5 * (jnp.abs(s) + 1.0) ** -2
+    + 2.0 * jnp.isfinite(jnp.exp(12.0 * s)) + jnp.sin(s.astype(jnp.bfloat16)).astype(s.dtype),
+], ids=["floor_ceil", "not_selects_bool_max", "integer_pow_is_finite_bf16_sin"])
 def test_kernel_forms_run_in_the_kernels(score_mod):
     """Primitives the kernels evaluate through a kernel form (`mosaic_ops.FORMS`), in a
     score_mod and its derivative, against the float64 oracle."""
@@ -288,9 +302,11 @@ def test_kernel_forms_run_in_the_kernels(score_mod):
 
 
 def test_a_mask_mod_with_kernel_forms_runs_on_the_kernels():
-    plan = _check_mask_mod("blocks by floor, not the diagonal's neighbours",
-                           lambda b, h, i, j: (jnp.floor(i / 96.0) == jnp.floor(j / 96.0))
-                           & ~(jnp.abs(i - j) == 1), {})
+    """floor of negative and positive quotients, a boolean not, a conversion to bool."""
+    plan = _check_mask_mod("blocks by floor, at odd distances, and the diagonal",
+                           lambda b, h, i, j: (jnp.floor((i - 200) / 96.0)
+                                               == jnp.floor((j - 200) / 96.0))
+                           & ~((i - j + 1) % 2).astype(bool) | (i == j), {})
     assert plan.chosen == "block_sparse", str(plan)
 
 

@@ -15,7 +15,7 @@ cuDNN's graph has no block list: a mask it does not recognise runs every tile th
   no gather, so with or without a mask it runs here (`block_sparse.kernel_score`);
 * any other score_mod, where cuDNN refuses it (`defers_to`).
 
-What the kernels cannot evaluate (an operation Mosaic GPU does not lower,
+What the kernels cannot evaluate (an operation Mosaic GPU cannot compile,
 `block_sparse.mosaic_ops`) is refused by name, before any kernel compiles.
 
 The built-in causal mask and window are ANDed in, and so are padding lengths and packed
@@ -216,7 +216,7 @@ def args_reason(config: AttnConfig) -> Optional[str]:
 def lowering_reason(config: AttnConfig) -> Optional[str]:
     """Why the kernels cannot evaluate the parts of the call's mask_mod or score_mod
     that run in them as written (those reading no array; a score_mod with its
-    derivative): an operation Mosaic GPU does not lower (`mosaic_ops`). Parts that read
+    derivative): an operation Mosaic GPU cannot compile (`mosaic_ops`). Parts that read
     arrays are split by `hoisting`, which checks the same (`args_reason`)."""
     mask_mod, score_mod = parts(config)
     specs = _arg_specs(config)
@@ -232,7 +232,7 @@ def lowering_reason(config: AttnConfig) -> Optional[str]:
     if not found:
         return None
     return (f"the kernels cannot evaluate {', '.join(f'the {w} ' + repr(n) for w, n in found)}:"
-            f" Mosaic GPU does not lower it in jax {jax.__version__}")
+            f" Mosaic GPU cannot compile it in jax {jax.__version__}")
 
 
 def _reads_no_array(config: AttnConfig) -> bool:

@@ -58,9 +58,9 @@ class Kind(NamedTuple):
 MASK = Kind("mask_mod", (_B, _H, _Q, _KV), heads=False, floats=False)
 SCORE = Kind("score_mod", (_S, _B, _H, _Q, _KV), heads=True, floats=True)
 
-# Elementwise operations: in the kernels where Mosaic GPU lowers them (`mosaic_ops`),
-# else hoisted, computed on the device where they read nothing but q_idx - kv_idx (a
-# T5 bucket's logarithm, say).
+# Elementwise operations: in the kernels where Mosaic GPU compiles them (`mosaic_ops`),
+# else hoisted where their operands allow (per row, per column, per run of diagonals:
+# a bucket's log1p of q_idx - kv_idx, say) and computed by XLA.
 _ELEMENTWISE = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "add", "sub", "mul", "div",
     "rem", "neg", "abs", "sign", "max", "min", "select_n", "clamp", "convert_element_type",
@@ -236,7 +236,7 @@ def _frontier(kind, eqns, inputs, consts, out, dep, dims):
                 "hoisted)")
                 if e.prim.name in _READS and d & _ARG else (
                 f"its {e.prim.name} of values of {_both(d)} is no elementwise operation "
-                "the kernels evaluate" + (" (Mosaic GPU does not lower it)"
+                "the kernels evaluate" + (" (Mosaic GPU cannot compile it)"
                                           if e.prim.name in _ELEMENTWISE else ""))))
     while True:
         bad = [(v, why) for v in frontier if (why := _problem(kind, v, dep[v], *dims)) is not None]
@@ -430,8 +430,8 @@ def _read(env, v, tile=False):
 
 
 def _in_kernel(e: Eqn) -> bool:
-    # (an elementwise operation Mosaic GPU does not lower, or whose derivative in a float
-    # it does not, is hoisted like an arcsine)
+    # (an elementwise operation Mosaic GPU cannot compile, or whose derivative in a float
+    # it cannot, is hoisted where its operands allow)
     name = e.prim.name
     return (name in _ELEMENTWISE and kernel_runs(name, is_float(e.outs[0].aval.dtype))) \
         or name in SHAPE_ONLY

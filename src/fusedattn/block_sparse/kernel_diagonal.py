@@ -155,7 +155,8 @@ class Diagonal:
                 add(acc.at[i, first], total - after)
 
     def clear(self, acc):
-        """Zero `acc` (SMEM ``[l, K, rows]``) in the rows' own layout (`row_zeros`)."""
+        """Zero `acc` (SMEM ``[l, K, rows]``) in the rows' own layout (`row_zeros`): each
+        thread then reads back what it wrote, with no barrier."""
         zero = row_zeros(self.interpret, acc.shape[2])
 
         def one(k, _):

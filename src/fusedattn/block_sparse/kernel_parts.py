@@ -106,9 +106,9 @@ def col_vector(ref, interpret):
 
 
 def row_zeros(interpret, rows=ROWS):
-    """Zeros along a tile's rows in the rows' own layout (a splat reaches SMEM as a splat,
-    which the lowering stores only in multiples of 128 elements; and each thread then
-    reads back what it wrote, with no barrier)."""
+    """Zeros along a tile's rows in the rows' own layout: a sum that starts as a splat and
+    is never added to would reach SMEM as a splat, which the lowering stores only in
+    multiples of 128 elements."""
     zero = jnp.zeros((rows,), F32)
     return zero if interpret else plgpu.layout_cast(zero, plgpu.Layout.WGMMA.reduce(1))
 

@@ -33,57 +33,116 @@ LACKED = frozenset({
 NO_LAYOUT = frozenset({"erf", "atan2"})
 # Elementwise primitives whose derivative in a float operand needs others.
 _DERIVATIVE_NEEDS = {"rem": ("floor",), "pow": ("pow", "log"), "sin": ("cos",),
-                     "cos": ("sin",), "logistic": ("exp",)}
+                     "cos": ("sin",)}
 
 
 class Form(NamedTuple):
-    """A primitive's kernel form: ``rewrite(ins, params)`` gives its outputs from
-    primitives in `needs` (None where the primitive is bound as it is)."""
+    """A primitive's kernel form: ``rewrite(ins, params)`` gives its outputs in other
+    primitives, or None to bind it as it is (a case its own rule takes); `needs` lists
+    every primitive it may bind, itself included where it may decline."""
     rewrite: Callable
     needs: Tuple[str, ...] = ()
 
 
+def _fill(x, value):
+    return lax.full_like(x, value, shape=jnp.shape(x))
+
+
 def _not(ins, params):
-    (x,) = ins   # a boolean not lowers through an int8 cast the lowering cannot size
-    return lax.eq(x, False) if x.dtype == jnp.bool_ else None
+    # a boolean not lowers through an int32 -> bool cast, whose 2-bit registers the
+    # lowering rejects; an integer not stays bitwise
+    (x,) = ins
+    return lax.eq(x, _fill(x, False)) if x.dtype == jnp.bool_ else None
+
+
+def _to_bool(ins, params):
+    # the same cast; XLA's conversion to bool is x != 0 (NaN: True)
+    (x,) = ins
+    if params["new_dtype"] != jnp.bool_ or x.dtype == jnp.bool_:
+        return None
+    return lax.ne(x, _fill(x, 0))
+
+
+def _bool_op(op):
+    # max / min of booleans: the lowering has no boolean rule for them
+    def rewrite(ins, params):
+        return op(*ins) if ins[0].dtype == jnp.bool_ else None
+    return rewrite
 
 
 def _select_n(ins, params):
-    # the warpgroup lowering takes no implicit broadcast of a scalar predicate or case
+    # the lowering takes two cases, a boolean predicate and no implicit broadcast
+    which, *cases = ins
     shape = max((jnp.shape(x) for x in ins), key=len)
-    if all(jnp.shape(x) == shape for x in ins):
+    if len(cases) == 2 and which.dtype == jnp.bool_ and \
+            all(jnp.shape(x) == shape for x in ins):
         return None
-    return lax.select_n(*(jnp.broadcast_to(x, shape) for x in ins))
+    which, *cases = (x if jnp.shape(x) == shape else
+                     lax.broadcast_in_dim(x, shape, ()) for x in ins)
+    if which.dtype == jnp.bool_:
+        return lax.select_n(which, *cases)
+
+    def pick(lo, hi):   # cases[lo:hi], by halves
+        if hi - lo == 1:
+            return cases[lo]
+        mid = (lo + hi) // 2
+        return lax.select_n(lax.lt(which, _fill(which, mid)), pick(mid, hi), pick(lo, mid))
+    return pick(0, len(cases))
 
 
 def _integer_pow(ins, params):
     (x,), y = ins, params["y"]   # the lowering takes y > 1 and y == -1 only
     if y == 0:
-        return jnp.ones_like(x)
+        return _fill(x, 1)
     if y == 1:
         return x
-    if y < 0:
-        return 1 / (x if y == -1 else lax.integer_pow(x, -y))
+    if y < 0:    # (floats only: lax refuses a negative power of an integer)
+        return lax.div(_fill(x, 1), x if y == -1 else lax.integer_pow(x, -y))
     return None
 
 
-def _floor(ins, params):
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Unary float operations whose 16-bit forms the lowering lacks under approximate math;
+# XLA computes them in float32 too and rounds the result.
+_WIDENED = {"exp": lax.exp, "exp2": lax.exp2, "log": lax.log, "sin": lax.sin, "cos": lax.cos,
+            "tanh": lax.tanh, "logistic": lax.logistic, "sqrt": lax.sqrt, "rsqrt": lax.rsqrt}
+
+
+def _in_float32(fn, decline=True):
+    """`fn` on a 16-bit float argument computed in float32, its result rounded back; on
+    another dtype `fn` itself, or None to bind the primitive (`decline`)."""
+    def rewrite(ins, params):
+        (x,) = ins
+        if x.dtype not in _HALF:
+            return None if decline else fn(x)
+        return lax.convert_element_type(fn(lax.convert_element_type(x, jnp.float32)), x.dtype)
+    return rewrite
+
+
+def _floor(x):
     # round to nearest, then one down where that went up: exact (|x - r| <= 1/2;
     # integers, infinities, NaN and -0 pass through)
-    (x,) = ins
     r = lax.round(x)
-    return jnp.where(r > x, r - 1, r)
+    return lax.select(lax.gt(r, x), lax.sub(r, _fill(r, 1)), r)
 
 
+_FLOOR = ("round", "gt", "sub", "select_n", "convert_element_type")
 FORMS: Dict[str, Form] = {
     "add_any": Form(lambda ins, params: lax.add(*ins), ("add",)),  # JAX's cotangent sums
-    "not": Form(_not),
-    "select_n": Form(_select_n),
-    "integer_pow": Form(_integer_pow, ("div",)),
-    "floor": Form(_floor, ("round", "gt", "sub", "select_n")),
-    "ceil": Form(lambda ins, params: -_floor([-ins[0]], params),
-                 ("round", "gt", "sub", "select_n", "neg")),
-    "is_finite": Form(lambda ins, params: lax.abs(ins[0]) < jnp.inf, ("abs", "lt")),
+    "not": Form(_not, ("not", "eq")),
+    "convert_element_type": Form(_to_bool, ("convert_element_type", "ne")),
+    "max": Form(_bool_op(lax.bitwise_or), ("max", "or")),
+    "min": Form(_bool_op(lax.bitwise_and), ("min", "and")),
+    "select_n": Form(_select_n, ("select_n", "broadcast_in_dim", "lt")),
+    "integer_pow": Form(_integer_pow, ("integer_pow", "div", "broadcast_in_dim")),
+    # (a 16-bit floor computed in float32 is exact: the result fits the narrower type)
+    "floor": Form(_in_float32(_floor, decline=False), _FLOOR),
+    "ceil": Form(_in_float32(lambda x: lax.neg(_floor(lax.neg(x))), decline=False),
+                 _FLOOR + ("neg",)),
+    "is_finite": Form(lambda ins, params: lax.lt(lax.abs(ins[0]), _fill(ins[0], jnp.inf)),
+                      ("abs", "lt")),
+    **{name: Form(_in_float32(fn), (name, "convert_element_type"))
+       for name, fn in _WIDENED.items()},
 }
 
 
@@ -118,8 +177,8 @@ def kernel_runs(name: str, with_derivative: bool = False) -> bool:
 
     def runs(n):
         form = FORMS.get(n)
-        if form is not None and all(map(native, form.needs)):
-            return True   # (bound as it is where its rewrite declines: lowered there)
+        if form is not None:
+            return all(map(native, form.needs))
         return native(n) and n not in NO_LAYOUT
     return runs(name) and (not with_derivative
                            or all(map(runs, _DERIVATIVE_NEEDS.get(name, ()))))
