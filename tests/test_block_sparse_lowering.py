@@ -46,6 +46,8 @@ def test_missing_names_what_no_kernel_evaluates(registry, monkeypatch):
     assert mosaic_ops.missing(cbrt_pattern, *INDEX) == ["cbrt"]
     assert mosaic_ops.missing(lambda s, b, h, q, kv: s + jax.scipy.special.erf(s),
                               F32, *INDEX, derivative_of=0) == ["erf"]
+    assert mosaic_ops.missing(lambda s, b, h, q, kv: jax.lax.cond(h > 1, jnp.floor, jnp.ceil, s),
+                              F32, *INDEX, derivative_of=0) == ["cond"]
     sqrt_lowers = registry == "read" and "sqrt" in mosaic_ops.lowered()
     assert mosaic_ops.missing(lambda s, b, h, q, kv: jnp.sqrt(jnp.abs(s) + 1.0) + s,
                               F32, *INDEX, derivative_of=0) == ([] if sqrt_lowers else ["sqrt"])

@@ -31,6 +31,9 @@ LACKED = frozenset({
 # Registered, but their MLIR operations have no layout-inference rule under the
 # warpgroup semantics the kernels compile with (math.erf, math.atan2), so they fail.
 NO_LAYOUT = frozenset({"erf", "atan2"})
+# Control flow: `evaluate` rewrites nothing inside its bodies, so a form they need would
+# fail to compile there; a mask_mod or score_mod with them runs elsewhere.
+BRANCHING = frozenset({"cond", "while", "scan"})
 # Elementwise primitives whose derivative in a float operand needs others.
 _DERIVATIVE_NEEDS = {"rem": ("floor",), "pow": ("pow", "log"), "sin": ("cos",),
                      "cos": ("sin",)}
@@ -179,7 +182,7 @@ def kernel_runs(name: str, with_derivative: bool = False) -> bool:
         form = FORMS.get(n)
         if form is not None:
             return all(map(native, form.needs))
-        return native(n) and n not in NO_LAYOUT
+        return native(n) and n not in NO_LAYOUT and n not in BRANCHING
     return runs(name) and (not with_derivative
                            or all(map(runs, _DERIVATIVE_NEEDS.get(name, ()))))
 
