@@ -71,13 +71,19 @@ def plain(fn, *args, rewrite=lambda prim, ins, params: None):
     for e in eqns:
         ins = [value_of(values, v) for v in e.ins]
         outs = rewrite(e.prim, ins, e.params)
-        if outs is None:
-            params = e.prim.get_bind_params(e.params)
-            sub, params = params if isinstance(params, tuple) else ((), params)  # older JAX
-            outs = e.prim.bind(*sub, *ins, **params)
-        values.update(zip(e.outs, outs if e.prim.multiple_results else [outs]))
+        outs = bind(e.prim, e.params, ins) if outs is None else \
+            (outs if e.prim.multiple_results else [outs])
+        values.update(zip(e.outs, outs))
     outs = [value_of(values, name_of(env, v)) for v in closed.jaxpr.outvars]
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), outs)
+
+
+def bind(prim, params, ins) -> list:
+    """The outputs of primitive `prim` with an equation's `params` applied to `ins`."""
+    bound = prim.get_bind_params(params)
+    sub, bound = bound if isinstance(bound, tuple) else ((), bound)  # older JAX: subfuns
+    outs = prim.bind(*sub, *ins, **bound)
+    return outs if prim.multiple_results else [outs]
 
 
 def _flatten(jaxpr, env, consts, eqns, keep):

@@ -33,7 +33,7 @@ from .dependence import index_specs
 from .diagonal import MAX_RUNS, Runs
 from .mosaic_ops import kernel_runs
 from .tile_ops import flat_values, from_tile, is_float, on_tiles, stack_words, widened, word
-from ..jaxprs import SHAPE_ONLY, Eqn, flatten, name_of as _name, value_of
+from ..jaxprs import SHAPE_ONLY, Eqn, bind, flatten, name_of as _name, value_of
 
 
 class Unsupported(ValueError):
@@ -417,10 +417,7 @@ def _evaluate(kind, inputs, consts, device, args, positions=None):
     env.update(zip(inputs[n_index:], (jnp.asarray(a, v.aval.dtype)
                                       for a, v in zip(args, inputs[n_index:]))))
     for e in device:
-        params = e.prim.get_bind_params(e.params)
-        sub, params = params if isinstance(params, tuple) else ((), params)  # older JAX
-        outs = e.prim.bind(*sub, *[_read(env, v) for v in e.ins], **params)
-        env.update(zip(e.outs, outs if e.prim.multiple_results else [outs]))
+        env.update(zip(e.outs, bind(e.prim, e.params, [_read(env, v) for v in e.ins])))
     return env
 
 

@@ -24,6 +24,8 @@ import jax
 from jax import lax
 from jax.extend.core import Literal
 
+from ....jaxprs import bind
+
 
 def fusedattn_tanh_bwd(dy, x):
     t = lax.tanh(x)
@@ -65,10 +67,7 @@ def _evaluate(jaxpr, consts: Sequence, args: Sequence):
         elif eqn.primitive.name in ("pjit", "jit") and sub is not None:
             outs = _evaluate(sub.jaxpr, sub.consts, ins)
         else:
-            bound = eqn.primitive.get_bind_params(eqn.params)  # (older JAX: with subfuns)
-            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
-            outs = eqn.primitive.bind(*subfuns, *ins, **params)
-            outs = outs if eqn.primitive.multiple_results else [outs]
+            outs = bind(eqn.primitive, eqn.params, ins)
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
